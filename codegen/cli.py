@@ -1,0 +1,82 @@
+"""The ``deinfer`` command line: ``deinfer plan|gen ...`` and ``deinfer-gen``.
+
+Every user error (bad spec, bad option) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from dsl import MODES, SpecError, build_plan, load_spec
+from dsl.report import plan_json, plan_table
+
+EXIT_USAGE = 2
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    plan = build_plan(spec, tp=args.tp, modes=(args.mode,) if args.mode else MODES)
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2))
+    else:
+        print(plan_table(plan))
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="sharding, communication, FLOPs and memory plan of a spec")
+    p.add_argument("spec", help="path to a YAML spec")
+    p.add_argument("--tp", type=int, default=None, help="TP degree (default: the spec's)")
+    p.add_argument("--mode", choices=MODES, default=None, help="only this mode")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_gen(sub: argparse._SubParsersAction) -> None:
+    from codegen.gen_cli import add_gen_arguments, run_gen
+
+    p = sub.add_parser("gen", help="generate kernels and modules (same as deinfer-gen)")
+    add_gen_arguments(p)
+    p.set_defaults(func=run_gen)
+
+
+# Subcommands are registered here; each module owns its arguments and its work.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plan, _add_gen)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="deinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for register in SUBCOMMANDS:
+        register(sub)
+    return _run(parser, argv)
+
+
+def gen_main(argv: Sequence[str] | None = None) -> int:
+    from codegen.gen_cli import add_gen_arguments, run_gen
+
+    parser = _Parser(prog="deinfer-gen", description="generate kernels and modules for a spec")
+    add_gen_arguments(parser)
+    parser.set_defaults(func=run_gen)
+    return _run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runtime primitives (comm layer, kernel launch helpers) and, later, the engine."""

@@ -1,0 +1,1 @@
+"""Per-GPU-type autotuning and the tuned-config store."""
