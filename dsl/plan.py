@@ -65,6 +65,18 @@ class LayerPlan:
     kv_dense_per_rank: int  # elements per token of this rank's dense K,V cache
     kv_latent_per_rank: int | None  # same for the latent cache; None where not possible
 
+    def kv_per_rank(self, kind: str) -> int:
+        """Elements per token of the cache this layer uses under ``kind``
+        (dense | latent | auto); a layer that cannot hold a latent cache keeps the dense one."""
+        latent = self.kv_latent_per_rank
+        if (
+            latent is None
+            or kind == "dense"
+            or (kind == "auto" and latent >= self.kv_dense_per_rank)
+        ):
+            return self.kv_dense_per_rank
+        return latent
+
     def factor(self, tensor: str) -> FactorShard:
         for f in self.factors:
             if f.tensor == tensor:
@@ -148,18 +160,11 @@ class ModePlan:
         return self.weight_elements_per_rank(rank) * self.dtype_bytes
 
     def kv_elements(self, kind: str) -> float | None:
-        """Mean over layers of KV elements per token per layer per rank for
-        ``kind`` in dense | latent | auto."""
-        if kind == "latent" and any(lp.kv_latent_per_rank is None for lp in self.layer_plans):
+        """Mean over layers of KV elements per token per layer per rank for ``kind`` in
+        dense | latent | auto; None for latent where no layer can hold a latent cache."""
+        if kind == "latent" and all(lp.kv_latent_per_rank is None for lp in self.layer_plans):
             return None
-        pick = {
-            "dense": lambda lp: lp.kv_dense_per_rank,
-            "latent": lambda lp: lp.kv_latent_per_rank,
-            "auto": lambda lp: (
-                lp.kv_latent_per_rank if lp.kv_auto_is_latent() else lp.kv_dense_per_rank
-            ),
-        }[kind]
-        return self._layer_mean(pick)
+        return self._layer_mean(lambda lp: lp.kv_per_rank(kind))
 
     def auto_latent_layers(self) -> int:
         return sum(len(lp.layers) for lp in self.layer_plans if lp.kv_auto_is_latent())
@@ -301,15 +306,16 @@ def _deinfer_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> La
         tuple(collectives),
         attention_heads_per_rank=model.num_heads // tp,
         kv_dense_per_rank=2 * _kv_heads_per_rank(model, tp) * model.head_dim,
-        kv_latent_per_rank=_latent_kv(model, shape, tp),
+        kv_latent_per_rank=_latent_kv(shape),
     )
 
 
-def _latent_kv(model: ModelConfig, shape: LayerRanks, tp: int) -> int:
-    """Latent cache: z_k, z_v replicated on every rank; an undecomposed k or v keeps
-    its dense shard."""
-    local_dense = _kv_heads_per_rank(model, tp) * model.head_dim
-    return sum(shape.rank(n) if shape.is_decomposed(n) else local_dense for n in ("k", "v"))
+def _latent_kv(shape: LayerRanks) -> int | None:
+    """Latent cache: z_k and z_v, replicated on every rank. Needs both k and v
+    decomposed; a layer with a dense k or v keeps the dense cache."""
+    if not (shape.is_decomposed("k") and shape.is_decomposed("v")):
+        return None
+    return shape.rank("k") + shape.rank("v")
 
 
 def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> LayerPlan:
@@ -332,7 +338,6 @@ def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> Layer
         factors.extend(_bias_factor(model, n, REPLICATED, full, n_out))
         collectives.append(Collective(ALL_REDUCE, n, n_out))
     # Every rank holds full K, V and computes every head: the duplicated attention.
-    latent = sum(shape.rank(n) if shape.is_decomposed(n) else model.kv_width for n in ("k", "v"))
     return LayerPlan(
         "base",
         shape,
@@ -342,7 +347,7 @@ def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> Layer
         tuple(collectives),
         attention_heads_per_rank=model.num_heads,
         kv_dense_per_rank=2 * model.kv_width,
-        kv_latent_per_rank=latent,
+        kv_latent_per_rank=_latent_kv(shape),
     )
 
 

@@ -1,0 +1,32 @@
+"""What every family generator needs: the spec, its plans and the tuning source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsl import Plan, Spec
+from dsl.plan import LayerPlan
+from dsl.spec import LayerRanks
+from tune.store import MetaChoice, choose
+
+
+@dataclass(frozen=True)
+class GenContext:
+    spec: Spec
+    plan: Plan  # all modes at the spec's tp
+    device: str | None  # normalised GPU name for tuned configs, or None
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    def shape_id(self, shape: LayerRanks) -> str:
+        return f"s{self.spec.layer_shapes().index(shape)}"
+
+    def layer_plans(self, mode: str) -> tuple[LayerPlan, ...]:
+        return self.plan.modes[mode].layer_plans
+
+    def meta(self, family: str, shape_key: str, n: int, k: int) -> MetaChoice:
+        """Tuned or default meta-parameters; baked for the largest decode bucket."""
+        bucket = max(self.spec.runtime.cuda_graph_batch_sizes or (1,))
+        return choose(family, shape_key, n, k, self.device, bucket)

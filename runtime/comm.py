@@ -1,0 +1,119 @@
+"""The one door to torch.distributed: every collective of the runtime goes through
+``Comm``. It can count calls and elements per collective kind and time them (off by
+default; when off, a single boolean test is the whole cost)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CollectiveStats:
+    calls: int = 0
+    elements: int = 0  # of the full (gathered / reduced) tensor, summed over calls
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    by_kind: dict[str, CollectiveStats] = field(default_factory=dict)
+
+    def record(self, kind: str, elements: int, seconds: float) -> None:
+        s = self.by_kind.setdefault(kind, CollectiveStats())
+        s.calls += 1
+        s.elements += elements
+        s.seconds += seconds
+
+    def total_seconds(self) -> float:
+        return sum(s.seconds for s in self.by_kind.values())
+
+
+class Comm:
+    """Collectives over one process group (``None``: the default group).
+
+    ``count=True`` records calls and elements; ``timed=True`` also measures wall time
+    (synchronising the GPU around each collective, so only for breakdowns)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, count: bool = False,
+                 timed: bool = False) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.count = count or timed
+        self.timed = timed
+        self.stats = CommStats()
+
+    def _start(self) -> float:
+        if self.timed:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+        return 0.0
+
+    def _done(self, kind: str, elements: int, start: float) -> None:
+        if self.count:
+            if self.timed and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.stats.record(kind, elements, time.perf_counter() - start if self.timed else 0.0)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        start = self._start()
+        if self.world > 1:
+            dist.all_reduce(tensor, group=self.group)
+        self._done("all_reduce", tensor.numel(), start)
+        return tensor
+
+    def all_gather_columns(self, local: torch.Tensor) -> torch.Tensor:
+        """[M, W] on each rank -> [M, world·W], rank order along the columns."""
+        start = self._start()
+        if self.world == 1:
+            out = local.contiguous()
+        else:
+            stacked = torch.empty((self.world, *local.shape), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(stacked, local.contiguous(), group=self.group)
+            out = stacked.permute(1, 0, 2).reshape(local.shape[0], -1)
+        self._done("all_gather", out.numel(), start)
+        return out
+
+    def all_gather_chunks(
+        self, local: torch.Tensor, chunks: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Ring all-gather of equal [M, W] chunks into ``chunks`` [world, M, W] that
+        yields ``(source rank, chunk)`` as each arrives: the local chunk first, then one
+        per ring step, so the caller computes on a chunk while the next is in flight.
+        Counted as one all-gather of world·M·W elements."""
+        start = self._start()
+        world, rank = self.world, self.rank
+        chunks[rank].copy_(local)
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+
+        def step(s: int) -> list:
+            send, recv = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
+            ops = [dist.P2POp(dist.isend, send, self._peer(nxt), self.group),
+                   dist.P2POp(dist.irecv, recv, self._peer(prev), self.group)]
+            return dist.batch_isend_irecv(ops)
+
+        pending = step(0) if world > 1 else []
+        yield rank, chunks[rank]
+        for s in range(world - 1):
+            for req in pending:
+                req.wait()
+            pending = step(s + 1) if s + 1 < world - 1 else []
+            src = (rank - s - 1) % world
+            yield src, chunks[src]
+        self._done("all_gather", chunks.numel(), start)
+
+    def _peer(self, group_rank: int) -> int:
+        """Global rank of ``group_rank`` in this group (P2P takes global ranks)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    @staticmethod
+    def columns(chunks: torch.Tensor) -> torch.Tensor:
+        """[world, M, W] -> [M, world·W]."""
+        return chunks.permute(1, 0, 2).reshape(chunks.shape[1], -1)

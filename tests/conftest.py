@@ -1,0 +1,28 @@
+"""Test configuration. The Triton interpreter must be chosen before any kernel
+module is imported, so it is set here, first."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = REPO / "specs"
+
+# CI gets a bounded number of examples; `HYPOTHESIS_PROFILE=thorough` runs more.
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
