@@ -11,7 +11,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_CACHE_KINDS = ("dense", "latent", "auto")
 ROPE_STYLES = ("neox", "gptj")
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "llama3")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 

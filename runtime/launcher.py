@@ -1,0 +1,144 @@
+"""Local tensor-parallel worker processes.
+
+``WorkerGroup(world)`` spawns ``world`` processes that join one process group
+(gloo on CPU, nccl on GPU) on 127.0.0.1 with a free port picked at run time, then
+run functions sent to them: ``group.run(fn, *args)`` calls ``fn(rank, world, *args)``
+on every rank and returns the per-rank results. A rank that raises, dies or does not
+answer in time ends the whole group with ``WorkerError`` naming the rank, never a
+silent hang. Under ``torchrun`` use ``init_from_env`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(RuntimeError):
+    """A worker rank failed, died or hung."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the group that ``torchrun`` describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise WorkerError(f"{key} is not set: start under torchrun or use WorkerGroup")
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, tasks, results):
+    try:
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, "ok", fn(rank, world, *args)))
+        except Exception:  # noqa: BLE001
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerGroup:
+    def __init__(self, world: int, backend: str | None = None, timeout_s: float = 120.0) -> None:
+        self.world = world
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        backend = backend or default_backend()
+        self.procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world, port, backend, timeout_s, self.tasks[r], self.results))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("ready", timeout_s)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """fn(rank, world, *args) on every rank; the per-rank results in rank order."""
+        for q in self.tasks:
+            q.put((fn, args))
+        return self._collect("ok", timeout_s or self.timeout_s)
+
+    def _collect(self, want: str, timeout_s: float) -> list[Any]:
+        out: dict[int, Any] = {}
+        deadline = timeout_s
+        while len(out) < self.world:
+            try:
+                rank, status, value = self.results.get(timeout=min(deadline, 1.0))
+            except queue.Empty:
+                deadline -= 1.0
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in out]
+                if dead:
+                    self.close()
+                    raise WorkerError(f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})") from None
+                if deadline <= 0:
+                    missing = [r for r in range(self.world) if r not in out]
+                    self.close()
+                    raise WorkerError(f"rank {missing[0]} did not answer within {timeout_s:.0f} s "
+                                      f"(waiting for ranks {missing})") from None
+                continue
+            if status == "error":
+                self.close()
+                raise WorkerError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """One-shot: start ``world`` workers, run ``fn`` once, stop them."""
+    with WorkerGroup(world, timeout_s=timeout_s) as group:
+        return group.run(fn, *args)

@@ -1,0 +1,57 @@
+"""Functions that run inside tensor-parallel worker processes (importable by spawn)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsl import build_plan, parse_spec
+from runtime.comm import Comm
+from runtime.generated import load_generated
+from runtime.layers import LAYER_CLASSES, Batch, LayerSetup
+from runtime.rope import inv_freq
+from runtime.shard import shard_layer
+
+
+def causal_attention(captured: list):
+    """Prefill attention of one sequence; records each call's latent."""
+
+    def attention(index, q, k, v, latent):
+        captured.append((index, None if latent is None else latent.clone()))
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                             v.transpose(0, 1).float(), is_causal=True)
+        return out.transpose(0, 1).to(q.dtype)
+
+    return attention
+
+
+def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
+    """Run every layer of the spec on this rank for each (mode, backend) in ``runs``;
+    returns {(mode, backend): (hidden, comm elements by kind, captured latents)}."""
+    spec = parse_spec(spec_text)
+    plan = build_plan(spec, tp=world)
+    registry = load_generated(folder).KERNELS
+    freqs = inv_freq(spec.model.positions, spec.model.head_dim) \
+        if spec.model.positions.kind == "rope" else None
+    results = {}
+    for mode, backend in runs:
+        comm = Comm(count=True)
+        captured: list = []
+        batch = Batch(positions=positions, n_valid=torch.tensor([x.shape[0]], dtype=torch.int32),
+                      attention=causal_attention(captured))
+        h = x.clone()
+        for index, layer_ranks in enumerate(spec.decomposition.layers):
+            lp = next(p for p in plan.modes[mode].layer_plans if p.shape == layer_ranks)
+            full = full_layers[index][mode]
+            weights = shard_layer(lp, full, rank)
+            weights.update({k: v for k, v in full.items() if "norm" in k})
+            setup = LayerSetup(model=spec.model, plan=lp, shape_id=f"s{spec.layer_shapes().index(layer_ranks)}",
+                               rank=rank, comm=comm, kernels=registry, backend=backend,
+                               inv_freq=freqs)
+            h = LAYER_CLASSES[mode](setup, index, weights)(h, batch)
+        elements = {kind: s.elements for kind, s in comm.stats.by_kind.items()}
+        results[(mode, backend)] = (h, elements, captured)
+    return results
