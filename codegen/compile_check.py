@@ -15,8 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-INDEX_POINTERS = ("n_valid_ptr", "num_runs_ptr", "copy_list_ptr", "table_ptr", "lens_ptr",
-                  "pos_ptr", "counter_ptr")
+INDEX_POINTERS = (
+    "n_valid_ptr",
+    "num_runs_ptr",
+    "copy_list_ptr",
+    "table_ptr",
+    "lens_ptr",
+    "pos_ptr",
+    "counter_ptr",
+)
 FP32_POINTERS = ("inv_freq_ptr", "acc_ptr", "acc0_ptr", "acc1_ptr", "acc2_ptr")
 
 
@@ -49,9 +56,22 @@ def variants(module) -> list[tuple[object, dict]]:
         out = []
         for (d0, s0, w0), (d1, s1, w1), (d2, s2, w2) in module.SEGMENTS:
             if w0 or w1 or w2:
-                out.append((module._latent_up_chunk_kernel,
-                            {"DST0": d0, "SRC0": s0, "W0": w0, "DST1": d1, "SRC1": s1, "W1": w1,
-                             "DST2": d2, "SRC2": s2, "W2": w2}))
+                out.append(
+                    (
+                        module._latent_up_chunk_kernel,
+                        {
+                            "DST0": d0,
+                            "SRC0": s0,
+                            "W0": w0,
+                            "DST1": d1,
+                            "SRC1": s1,
+                            "W1": w1,
+                            "DST2": d2,
+                            "SRC2": s2,
+                            "W2": w2,
+                        },
+                    )
+                )
         return out
     if name.startswith("gemm_"):
         return [(module._gemm_fixed_kernel, {"COUNT_WORK": False})]
@@ -84,11 +104,15 @@ def compile_folder(folder: Path, arch: int, dtype: str) -> list[str]:
         module = sys.modules[f"{package}.{path.stem}"]
         for fn, constexprs in variants(module):
             start = time.perf_counter()
-            src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
+            src = ASTSource(
+                fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs
+            )
             compiled = triton.compile(src, target=target)
             regs = compiled.metadata.shared if hasattr(compiled.metadata, "shared") else 0
-            lines.append(f"{path.stem}: sm_{arch} {dtype} ok, {len(compiled.asm['cubin'])} B cubin, "
-                         f"{regs} B shared, {time.perf_counter() - start:.1f} s")
+            lines.append(
+                f"{path.stem}: sm_{arch} {dtype} ok, {len(compiled.asm['cubin'])} B cubin, "
+                f"{regs} B shared, {time.perf_counter() - start:.1f} s"
+            )
     return lines
 
 

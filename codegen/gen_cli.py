@@ -14,16 +14,22 @@ from dsl.errors import SpecError
 
 
 def add_gen_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", nargs="?", help="path to a YAML spec (with --check: default all "
-                                           "of --specs-dir)")
-    p.add_argument("--out", default=None,
-                   help="output folder (default: <out-root>/<spec name>)")
+    p.add_argument(
+        "spec", nargs="?", help="path to a YAML spec (with --check: default all of --specs-dir)"
+    )
+    p.add_argument("--out", default=None, help="output folder (default: <out-root>/<spec name>)")
     p.add_argument("--out-root", default="generated", help="root of generated folders")
     p.add_argument("--specs-dir", default="specs", help="where --check finds specs")
-    p.add_argument("--device-name", default=None,
-                   help="GPU name for tuned configs (default: the local GPU, if any)")
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 listing generated files that are not current")
+    p.add_argument(
+        "--device-name",
+        default=None,
+        help="GPU name for tuned configs (default: the local GPU, if any)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 listing generated files that are not current",
+    )
 
 
 def _local_device_name() -> str | None:

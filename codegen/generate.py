@@ -72,15 +72,23 @@ def _manifest(ctx: GenContext, spec_hash: str, kernels, summary) -> dict[str, An
         "templates": {t: template_hash(t) for t in sorted({k.template for k in kernels})},
         "tp": ctx.tp,
         "layer_shapes": {
-            ctx.shape_id(shape): {"layers": list(spec.layers_of_shape(shape)),
-                                  "ranks": shape.as_dict()}
+            ctx.shape_id(shape): {
+                "layers": list(spec.layers_of_shape(shape)),
+                "ranks": shape.as_dict(),
+            }
             for shape in spec.layer_shapes()
         },
         "plan": {
-            mode: {key: data[key] for key in (
-                "comm_units_per_token_per_block", "collectives_per_block",
-                "ring_elements_per_rank_per_token_per_block",
-                "kv_elements_per_token_per_layer_per_rank", "weight_bytes_per_rank")}
+            mode: {
+                key: data[key]
+                for key in (
+                    "comm_units_per_token_per_block",
+                    "collectives_per_block",
+                    "ring_elements_per_rank_per_token_per_block",
+                    "kv_elements_per_token_per_layer_per_rank",
+                    "weight_bytes_per_rank",
+                )
+            }
             for mode, data in summary["modes"].items()
         },
         "kernels": [
@@ -121,14 +129,16 @@ def summary_line(gen: Generated, out_dir: Path) -> str:
     base = modes["base"]["comm_units_per_token_per_block"]
     dei = modes["deinfer"]["comm_units_per_token_per_block"]
     kv = modes["deinfer"]["kv_elements_per_token_per_layer_per_rank"]
-    return "\n".join([
-        f"deinfer-gen: {gen.spec.name} -> {out_dir} ({len(gen.files)} files)",
-        "  kernels: " + ", ".join(f"{n} {family}" for family, n in counts.items()),
-        f"  tp {gen.plan['tp']}: comm units/token/block deinfer {dei:,} vs base {base:,} "
-        f"({dei / base:.3f}x), dense {modes['dense']['comm_units_per_token_per_block']:,}",
-        f"  KV elements/token/layer/rank: dense {kv['dense']}, latent {kv['latent']}, "
-        f"auto {kv['auto']} ({kv['auto_latent_layers']} latent layers)",
-    ])
+    return "\n".join(
+        [
+            f"deinfer-gen: {gen.spec.name} -> {out_dir} ({len(gen.files)} files)",
+            "  kernels: " + ", ".join(f"{n} {family}" for family, n in counts.items()),
+            f"  tp {gen.plan['tp']}: comm units/token/block deinfer {dei:,} vs base {base:,} "
+            f"({dei / base:.3f}x), dense {modes['dense']['comm_units_per_token_per_block']:,}",
+            f"  KV elements/token/layer/rank: dense {kv['dense']}, latent {kv['latent']}, "
+            f"auto {kv['auto']} ({kv['auto_latent_layers']} latent layers)",
+        ]
+    )
 
 
 def write_atomically(files: dict[str, str], out_dir: Path) -> None:

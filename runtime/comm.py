@@ -39,8 +39,9 @@ class Comm:
     ``count=True`` records calls and elements; ``timed=True`` also measures wall time
     (synchronising the GPU around each collective, so only for breakdowns)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, count: bool = False,
-                 timed: bool = False) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, count: bool = False, timed: bool = False
+    ) -> None:
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -75,9 +76,10 @@ class Comm:
         if self.world == 1:
             out = local.contiguous()
         else:
-            stacked = torch.empty((self.world, *local.shape), dtype=local.dtype, device=local.device)
+            rows, width = local.shape
+            stacked = local.new_empty((self.world * rows, width))
             dist.all_gather_into_tensor(stacked, local.contiguous(), group=self.group)
-            out = stacked.permute(1, 0, 2).reshape(local.shape[0], -1)
+            out = self.columns(stacked.view(self.world, rows, width))
         self._done("all_gather", out.numel(), start)
         return out
 
@@ -95,8 +97,10 @@ class Comm:
 
         def step(s: int) -> list:
             send, recv = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
-            ops = [dist.P2POp(dist.isend, send, self._peer(nxt), self.group),
-                   dist.P2POp(dist.irecv, recv, self._peer(prev), self.group)]
+            ops = [
+                dist.P2POp(dist.isend, send, self._peer(nxt), self.group),
+                dist.P2POp(dist.irecv, recv, self._peer(prev), self.group),
+            ]
             return dist.batch_isend_irecv(ops)
 
         pending = step(0) if world > 1 else []

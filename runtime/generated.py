@@ -18,8 +18,9 @@ def load_generated(folder: str | Path) -> ModuleType:
     # One package per folder path, so two generated folders never share modules.
     name = "deinfer_generated_" + re.sub(r"\W", "_", str(folder))
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, init,
-                                                      submodule_search_locations=[str(folder)])
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(folder)]
+        )
         package = importlib.util.module_from_spec(spec)
         sys.modules[name] = package
         spec.loader.exec_module(package)

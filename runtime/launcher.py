@@ -55,9 +55,14 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, ta
         torch.set_num_threads(1)  # ranks share the machine's cores
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception:
         results.put((rank, "error", traceback.format_exc()))
         return
     results.put((rank, "ready", None))
@@ -68,7 +73,7 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, ta
         fn, args = task
         try:
             results.put((rank, "ok", fn(rank, world, *args)))
-        except Exception:  # noqa: BLE001
+        except Exception:
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -83,8 +88,11 @@ class WorkerGroup:
         port = free_port()
         backend = backend or default_backend()
         self.procs = [
-            ctx.Process(target=_worker, daemon=True,
-                        args=(r, world, port, backend, timeout_s, self.tasks[r], self.results))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world, port, backend, timeout_s, self.tasks[r], self.results),
+            )
             for r in range(world)
         ]
         for p in self.procs:
@@ -105,15 +113,21 @@ class WorkerGroup:
                 rank, status, value = self.results.get(timeout=min(deadline, 1.0))
             except queue.Empty:
                 deadline -= 1.0
-                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in out]
+                dead = [
+                    r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in out
+                ]
                 if dead:
                     self.close()
-                    raise WorkerError(f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})") from None
+                    raise WorkerError(
+                        f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})"
+                    ) from None
                 if deadline <= 0:
                     missing = [r for r in range(self.world) if r not in out]
                     self.close()
-                    raise WorkerError(f"rank {missing[0]} did not answer within {timeout_s:.0f} s "
-                                      f"(waiting for ranks {missing})") from None
+                    raise WorkerError(
+                        f"rank {missing[0]} did not answer within {timeout_s:.0f} s "
+                        f"(waiting for ranks {missing})"
+                    ) from None
                 continue
             if status == "error":
                 self.close()
@@ -126,7 +140,7 @@ class WorkerGroup:
             with contextlib.suppress(Exception):
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=2)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -24,8 +24,9 @@ from runtime.reference import apply_norm
 
 # attention(layer index, q [T, Hl, d], k [T, KVl, d], v [T, KVl, d], latent [T, r_k + r_v] or
 # None) -> [T, Hl, d]. Rotary embedding has already been applied to q and k.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                       torch.Tensor]
+AttentionFn = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -72,8 +73,9 @@ class DecoderLayer(nn.Module):
 
     def norm(self, x: torch.Tensor, which: str) -> torch.Tensor:
         m = self.s.model
-        return apply_norm(x, self.w(f"{which}.weight"), self.w(f"{which}.bias"),
-                          norm=m.norm.kind, eps=m.norm.eps).to(x.dtype)
+        return apply_norm(
+            x, self.w(f"{which}.weight"), self.w(f"{which}.bias"), norm=m.norm.kind, eps=m.norm.eps
+        ).to(x.dtype)
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         kernel = self.s.kernels.get("gemm", tuple(b.shape), self.s.backend)
@@ -118,8 +120,9 @@ class DeinferLayer(DecoderLayer):
     """Concat-split down factors, latent all-gather overlapped with the up GEMM, local
     heads only, row-parallel o/down down-factors with an all-reduce of width r."""
 
-    def column_group(self, group: str, names: tuple[str, ...], x: torch.Tensor, norm: str,
-                     batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def column_group(
+        self, group: str, names: tuple[str, ...], x: torch.Tensor, norm: str, batch: Batch
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         s, plan = self.s, self.s.plan
         outs: dict[str, torch.Tensor] = {}
         gathered = None
@@ -127,16 +130,24 @@ class DeinferLayer(DecoderLayer):
         if cat is not None:
             key = (group, s.shape_id)
             down = s.kernels.get("down_proj", key, s.backend)
-            z = down(x, self.w(f"{group}.cat"), x.new_empty((x.shape[0], cat.width)),
-                     self.w(f"{norm}.weight"), self.w(f"{norm}.bias"))
+            z = down(
+                x,
+                self.w(f"{group}.cat"),
+                x.new_empty((x.shape[0], cat.width)),
+                self.w(f"{norm}.weight"),
+                self.w(f"{norm}.bias"),
+            )
             members = [n for n, _ in cat.members]
             ups = tuple(self.w(f"{n}.u") for n in members)
-            accs = tuple(torch.zeros((x.shape[0], u.shape[1]), dtype=torch.float32,
-                                     device=x.device) for u in ups)
+            accs = tuple(
+                torch.zeros((x.shape[0], u.shape[1]), dtype=torch.float32, device=x.device)
+                for u in ups
+            )
             gathered = z.new_empty((s.comm.world, *z.shape))
             module = s.kernels.module("latent_up", key)
-            module.latent_up(s.comm, z, gathered, ups, accs,
-                             chunk_fn=s.kernels.get("latent_up", key, s.backend))
+            module.latent_up(
+                s.comm, z, gathered, ups, accs, chunk_fn=s.kernels.get("latent_up", key, s.backend)
+            )
             outs.update({n: acc.to(x.dtype) for n, acc in zip(members, accs, strict=True)})
         dense = [n for n in names if n not in outs]
         if dense:
@@ -178,8 +189,9 @@ class BaseLayer(DecoderLayer):
 
     def project(self, name: str, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.w(f"{name}.v") is not None:
-            y = self.gemm(self.gemm(x, self.w(f"{name}.v"), batch.n_valid), self.w(f"{name}.u"),
-                          batch.n_valid)
+            y = self.gemm(
+                self.gemm(x, self.w(f"{name}.v"), batch.n_valid), self.w(f"{name}.u"), batch.n_valid
+            )
         else:
             f = self.s.plan.factor(f"{name}.weight")
             lo, hi = f.ranges[self.s.rank]

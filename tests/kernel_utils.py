@@ -48,4 +48,6 @@ def import_kernel(kernel: KernelFile, spec_name: str = "test") -> ModuleType:
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     scale = max(1.0, want.float().abs().max().item()) if want.numel() else 1.0
     err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
-    assert err <= TOLERANCE[dtype] * scale, f"{what}: max error {err:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
+    assert err <= TOLERANCE[dtype] * scale, (
+        f"{what}: max error {err:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
+    )

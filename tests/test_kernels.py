@@ -40,10 +40,18 @@ def test_down_proj_matches_reference(raw, m, dtype, seed):
 
 
 def test_down_proj_without_norm_weight_is_plain_norm():
-    raw = {"model": {"family": "llama", "hidden_size": 40, "intermediate_size": 24,
-                     "num_layers": 1, "num_heads": 2, "vocab_size": 8,
-                     "max_position_embeddings": 16},
-           "decomposition": {"ranks": {n: 7 for n in ("q", "k", "v", "o", "gate", "up", "down")}}}
+    raw = {
+        "model": {
+            "family": "llama",
+            "hidden_size": 40,
+            "intermediate_size": 24,
+            "num_layers": 1,
+            "num_heads": 2,
+            "vocab_size": 8,
+            "max_position_embeddings": 16,
+        },
+        "decomposition": {"ranks": {n: 7 for n in ("q", "k", "v", "o", "gate", "up", "down")}},
+    }
     kf = down_proj.generate(context(raw))[0]
     mod = import_kernel(kf)
     x, w = torch.randn(5, 40) * 3 + 1, torch.randn(40, 21)
@@ -60,24 +68,32 @@ def test_latent_up_chunks_sum_to_gather_then_gemm(raw, m, dtype, seed):
         chunk, tp = kf.values["chunk"], kf.values["tp"]
         ranks = kf.values["ranks"]
         widths = [w for w in kf.values["out_widths"][: len(ranks)]]
-        us = tuple(_randn(r, n, dtype=dtype, seed=seed + i) / math.sqrt(r)
-                   for i, (r, n) in enumerate(zip(ranks, widths)))
+        us = tuple(
+            _randn(r, n, dtype=dtype, seed=seed + i) / math.sqrt(r)
+            for i, (r, n) in enumerate(zip(ranks, widths, strict=True))
+        )
         latent = _randn(m, chunk * tp, dtype=dtype, seed=seed + 7)
-        latent[:, sum(ranks):] = 0  # padding columns carry zeros
+        latent[:, sum(ranks) :] = 0  # padding columns carry zeros
         accs = tuple(torch.zeros(m, n) for n in widths)
         ref_accs = tuple(torch.zeros(m, n) for n in widths)
         for j in range(tp):
-            piece = latent[:, j * chunk:(j + 1) * chunk]  # a strided view, like a real chunk
+            piece = latent[:, j * chunk : (j + 1) * chunk]  # a strided view, like a real chunk
             mod.latent_up_chunk(piece, j, us, accs)
             mod.torch_reference(piece, j, us, ref_accs)
         want = reference.latent_up_gathered(latent, us, ranks)
-        for got, ref, w in zip(accs, ref_accs, want):
+        for got, ref, w in zip(accs, ref_accs, want, strict=True):
             assert_close(got, w, dtype, kf.file_name)
             assert_close(ref, w, torch.float32, "reference")
 
 
-@given(st.integers(1, 70), st.integers(1, 70), st.integers(1, 200), st.integers(0, 200),
-       DTYPES, st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 70),
+    st.integers(1, 70),
+    st.integers(1, 200),
+    st.integers(0, 200),
+    DTYPES,
+    st.integers(0, 2**31 - 1),
+)
 def test_gemm_fixed_respects_n_valid(k, n, rows, n_valid, dtype, seed):
     n_valid = min(n_valid, rows)
     kf = gemm_fixed.kernel_file(k, n, ["test"], choose("gemm_fixed", f"k{k}_n{n}", n, k, None, 1))
@@ -121,20 +137,24 @@ def test_kv_block_copy_cases(case, dtype):
     src = torch.randn(12, block_size, width).to(dtype)
     copy_list = torch.zeros(max_runs, 3, dtype=torch.int32)
     copy_list[: len(runs)] = torch.tensor(runs, dtype=torch.int32)
-    copy_list[len(runs):] = torch.tensor([0, 0, 5])  # garbage past num_runs must be ignored
+    copy_list[len(runs) :] = torch.tensor([0, 0, 5])  # garbage past num_runs must be ignored
     dst = torch.full((8, block_size, width), 7.0, dtype=dtype)
     mod.kv_block_copy(src, dst, copy_list, torch.tensor([n_runs], dtype=torch.int32))
     expected = torch.full_like(dst, 7.0)
     for s, d, n in runs[:n_runs]:
-        expected[d:d + n] = src[s:s + n]
+        expected[d : d + n] = src[s : s + n]
     assert torch.equal(dst, expected)
     ref = torch.full_like(dst, 7.0)
     mod.torch_reference(src, ref, copy_list, torch.tensor([n_runs], dtype=torch.int32))
     assert torch.equal(ref, expected)
 
 
-@given(st.integers(1, 40), st.sampled_from([1, 2, 4, 8, 16]),
-       st.lists(st.integers(1, 3), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 40),
+    st.sampled_from([1, 2, 4, 8, 16]),
+    st.lists(st.integers(1, 3), min_size=1, max_size=5),
+    st.integers(0, 2**31 - 1),
+)
 def test_kv_block_copy_random_runs(width, block_size, lengths, seed):
     mod = _copy_kernel(width, block_size)
     g = torch.Generator().manual_seed(seed)
@@ -175,8 +195,15 @@ def _rope_complex(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, st
     return torch.stack([r.real, r.imag], -1).flatten(-2)
 
 
-@given(st.integers(1, 5), st.sampled_from([2, 4, 6, 8, 16, 20]), st.sampled_from(["neox", "gptj"]),
-       st.integers(1, 40), st.integers(0, 40), DTYPES, st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 5),
+    st.sampled_from([2, 4, 6, 8, 16, 20]),
+    st.sampled_from(["neox", "gptj"]),
+    st.integers(1, 40),
+    st.integers(0, 40),
+    DTYPES,
+    st.integers(0, 2**31 - 1),
+)
 def test_rope_matches_reference_and_complex_rotation(heads, d, style, rows, n_valid, dtype, seed):
     n_valid = min(n_valid, rows)
     mod = _rope_kernel(heads, d, style)
@@ -200,9 +227,14 @@ def _attention_kernel(heads, kv_heads, d, block_size):
     return import_kernel(paged_attention.kernel_file(heads, kv_heads, d, block_size))
 
 
-@given(st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 1), (8, 2)]), st.sampled_from([4, 6, 16]),
-       st.sampled_from([1, 2, 4, 16]), st.lists(st.integers(0, 40), min_size=1, max_size=4),
-       DTYPES, st.integers(0, 2**31 - 1))
+@given(
+    st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 1), (8, 2)]),
+    st.sampled_from([4, 6, 16]),
+    st.sampled_from([1, 2, 4, 16]),
+    st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    DTYPES,
+    st.integers(0, 2**31 - 1),
+)
 def test_paged_attention_matches_contiguous_attention(heads_kv, d, block_size, lens, dtype, seed):
     heads, kv_heads = heads_kv
     mod = _attention_kernel(heads, kv_heads, d, block_size)
@@ -223,11 +255,20 @@ def test_paged_attention_matches_contiguous_attention(heads_kv, d, block_size, l
         if n == 0:
             assert torch.equal(out[b].float(), torch.zeros(heads, d))
             continue
-        k = k_cache[table[b].long()].flatten(0, 1)[:n].float().repeat_interleave(
-            heads // kv_heads, dim=1)
-        v = v_cache[table[b].long()].flatten(0, 1)[:n].float().repeat_interleave(
-            heads // kv_heads, dim=1)
+        k = (
+            k_cache[table[b].long()]
+            .flatten(0, 1)[:n]
+            .float()
+            .repeat_interleave(heads // kv_heads, dim=1)
+        )
+        v = (
+            v_cache[table[b].long()]
+            .flatten(0, 1)[:n]
+            .float()
+            .repeat_interleave(heads // kv_heads, dim=1)
+        )
         want = torch.nn.functional.scaled_dot_product_attention(
-            q[b].float()[:, None, :], k.transpose(0, 1), v.transpose(0, 1))[:, 0, :]
+            q[b].float()[:, None, :], k.transpose(0, 1), v.transpose(0, 1)
+        )[:, 0, :]
         assert_close(out[b], want, dtype, f"sequence {b}")
         assert_close(ref[b], want, torch.float32, "reference")

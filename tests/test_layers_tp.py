@@ -22,8 +22,14 @@ from tests.tp_workers import run_layers
 
 # fp32 throughout; the sharded sums run in another order than the reference's.
 TOL = 2e-4
-RUNS = (("deinfer", "triton"), ("deinfer", "torch"), ("base", "torch"), ("base", "triton"),
-        ("dense", "torch"), ("dense", "triton"))
+RUNS = (
+    ("deinfer", "triton"),
+    ("deinfer", "torch"),
+    ("base", "torch"),
+    ("base", "triton"),
+    ("dense", "torch"),
+    ("dense", "triton"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +66,15 @@ def _full_weights(spec, seed: int) -> list[dict[str, dict[str, torch.Tensor]]]:
                 w = d @ u
             dense[f"{name}.weight"] = w
             has_bias = {"q": m.bias.qkv, "k": m.bias.qkv, "v": m.bias.qkv, "o": m.bias.o}.get(
-                name, m.bias.mlp)
+                name, m.bias.mlp
+            )
             if has_bias:
                 b = torch.randn(n_out, generator=g) * 0.1
                 factors[f"{name}.bias"] = dense[f"{name}.bias"] = b
-        norms = {"input_norm.weight": 1 + 0.1 * torch.randn(m.hidden_size, generator=g),
-                 "post_norm.weight": 1 + 0.1 * torch.randn(m.hidden_size, generator=g)}
+        norms = {
+            "input_norm.weight": 1 + 0.1 * torch.randn(m.hidden_size, generator=g),
+            "post_norm.weight": 1 + 0.1 * torch.randn(m.hidden_size, generator=g),
+        }
         if m.norm.kind == "layer":
             norms["input_norm.bias"] = 0.1 * torch.randn(m.hidden_size, generator=g)
             norms["post_norm.bias"] = 0.1 * torch.randn(m.hidden_size, generator=g)
@@ -81,12 +90,17 @@ def _full_weights(spec, seed: int) -> list[dict[str, dict[str, torch.Tensor]]]:
 def _reference(spec, layers, x, positions):
     """The unsharded layers in plain torch (products D·U, one process)."""
     m = spec.model
-    act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu,
-           "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[m.mlp.activation]
+    act = {
+        "silu": F.silu,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    }[m.mlp.activation]
 
     def norm(t, w, which):
-        return apply_norm(t, w[f"{which}.weight"], w.get(f"{which}.bias"), norm=m.norm.kind,
-                          eps=m.norm.eps)
+        return apply_norm(
+            t, w[f"{which}.weight"], w.get(f"{which}.bias"), norm=m.norm.kind, eps=m.norm.eps
+        )
 
     def lin(t, w, name):
         y = t @ w[f"{name}.weight"]
@@ -109,8 +123,9 @@ def _reference(spec, layers, x, positions):
             k = rope_inplace(k.contiguous(), positions, f, n, style=m.positions.style)
         group = m.num_heads // m.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
         h = h + lin(a.transpose(0, 1).reshape(tokens, -1), w, "o")
         xn = norm(h, w, "post_norm")
         if m.mlp.kind == "glu":

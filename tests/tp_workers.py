@@ -21,8 +21,12 @@ def causal_attention(captured: list):
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
-                                             v.transpose(0, 1).float(), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).float(),
+            k.transpose(0, 1).float(),
+            v.transpose(0, 1).float(),
+            is_causal=True,
+        )
         return out.transpose(0, 1).to(q.dtype)
 
     return attention
@@ -34,24 +38,67 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
     spec = parse_spec(spec_text)
     plan = build_plan(spec, tp=world)
     registry = load_generated(folder).KERNELS
-    freqs = inv_freq(spec.model.positions, spec.model.head_dim) \
-        if spec.model.positions.kind == "rope" else None
+    freqs = (
+        inv_freq(spec.model.positions, spec.model.head_dim)
+        if spec.model.positions.kind == "rope"
+        else None
+    )
     results = {}
     for mode, backend in runs:
         comm = Comm(count=True)
         captured: list = []
-        batch = Batch(positions=positions, n_valid=torch.tensor([x.shape[0]], dtype=torch.int32),
-                      attention=causal_attention(captured))
+        batch = Batch(
+            positions=positions,
+            n_valid=torch.tensor([x.shape[0]], dtype=torch.int32),
+            attention=causal_attention(captured),
+        )
         h = x.clone()
         for index, layer_ranks in enumerate(spec.decomposition.layers):
             lp = next(p for p in plan.modes[mode].layer_plans if p.shape == layer_ranks)
             full = full_layers[index][mode]
             weights = shard_layer(lp, full, rank)
             weights.update({k: v for k, v in full.items() if "norm" in k})
-            setup = LayerSetup(model=spec.model, plan=lp, shape_id=f"s{spec.layer_shapes().index(layer_ranks)}",
-                               rank=rank, comm=comm, kernels=registry, backend=backend,
-                               inv_freq=freqs)
+            setup = LayerSetup(
+                model=spec.model,
+                plan=lp,
+                shape_id=f"s{spec.layer_shapes().index(layer_ranks)}",
+                rank=rank,
+                comm=comm,
+                kernels=registry,
+                backend=backend,
+                inv_freq=freqs,
+            )
             h = LAYER_CLASSES[mode](setup, index, weights)(h, batch)
         elements = {kind: s.elements for kind, s in comm.stats.by_kind.items()}
         results[(mode, backend)] = (h, elements, captured)
     return results
+
+
+def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
+    """Overlapped latent up-projection vs gather-then-GEMM on this rank; returns the
+    max difference and the order in which chunks were consumed."""
+    from runtime import reference
+
+    registry = load_generated(folder).KERNELS
+    module = registry.module("latent_up", (group, shape_id))
+    ranks, widths = module.RANKS, [module.N0.value, module.N1.value, module.N2.value]
+    g = torch.Generator().manual_seed(seed)  # the same factors on every rank
+    ups = tuple(torch.randn(r, n, generator=g) for r, n in zip(ranks, widths, strict=False))
+    chunk = module.CHUNK.value
+    full = torch.randn(m, chunk * world, generator=g)
+    full[:, sum(ranks) :] = 0
+    local = full[:, rank * chunk : (rank + 1) * chunk].contiguous()
+    comm = Comm(count=True)
+    order = []
+
+    def chunk_fn(piece, index, us, accs):
+        order.append(index)
+        module.latent_up_chunk(piece, index, us, accs)
+
+    accs = tuple(torch.zeros(m, u.shape[1]) for u in ups)
+    gathered = torch.empty(world, m, chunk)
+    module.latent_up(comm, local, gathered, ups, accs, chunk_fn=chunk_fn)
+    elements = comm.stats.by_kind["all_gather"].elements
+    want = reference.latent_up_gathered(comm.all_gather_columns(local), ups, ranks)
+    diff = max((a - w).abs().max().item() for a, w in zip(accs, want, strict=True))
+    return diff, order, torch.equal(Comm.columns(gathered), full), elements

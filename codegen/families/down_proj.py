@@ -35,7 +35,12 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                 "meta_source": choice.source,
             }
             files.append(
-                KernelFile("down_proj", file_name(shape_id, cat.name), "down_proj.py.j2", values,
-                           {"shape_key": key, "meta": choice.meta, "meta_source": choice.source})
+                KernelFile(
+                    "down_proj",
+                    file_name(shape_id, cat.name),
+                    "down_proj.py.j2",
+                    values,
+                    {"shape_key": key, "meta": choice.meta, "meta_source": choice.source},
+                )
             )
     return files

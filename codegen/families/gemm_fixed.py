@@ -21,7 +21,9 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
         for lp in ctx.layer_plans(mode):
             sid = ctx.shape_id(lp.shape)
             # In deinfer mode the up factors of a concat group run in the latent_up kernel.
-            latent_up = {n for c in lp.concats for n, _ in c.members} if mode == "deinfer" else set()
+            latent_up = (
+                {n for c in lp.concats for n, _ in c.members} if mode == "deinfer" else set()
+            )
             for f in lp.factors:
                 if f.factor == "bias" or (f.factor == "up" and f.matrix in latent_up):
                     continue
@@ -35,12 +37,24 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
 
 
 def kernel_file(k: int, n: int, uses: list[str], choice: MetaChoice) -> KernelFile:
-    values = {"k": k, "n": n, "used_by": ", ".join(sorted(set(uses))), "meta": choice.meta,
-              "meta_source": choice.source}
-    return KernelFile("gemm_fixed", file_name(k, n), "gemm_fixed.py.j2", values,
-                      {"shape_key": f"k{k}_n{n}", "meta": choice.meta, "meta_source": choice.source})
+    values = {
+        "k": k,
+        "n": n,
+        "used_by": ", ".join(sorted(set(uses))),
+        "meta": choice.meta,
+        "meta_source": choice.source,
+    }
+    return KernelFile(
+        "gemm_fixed",
+        file_name(k, n),
+        "gemm_fixed.py.j2",
+        values,
+        {"shape_key": f"k{k}_n{n}", "meta": choice.meta, "meta_source": choice.source},
+    )
 
 
 def generate(ctx: GenContext) -> list[KernelFile]:
-    return [kernel_file(k, n, uses, ctx.meta("gemm_fixed", f"k{k}_n{n}", n, k))
-            for (k, n), uses in gemm_shapes(ctx).items()]
+    return [
+        kernel_file(k, n, uses, ctx.meta("gemm_fixed", f"k{k}_n{n}", n, k))
+        for (k, n), uses in gemm_shapes(ctx).items()
+    ]

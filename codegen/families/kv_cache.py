@@ -17,8 +17,13 @@ def rope_file_name(heads: int, head_dim: int) -> str:
 
 
 def latent_widths(ctx: GenContext) -> list[int]:
-    return sorted({lp.kv_latent_per_rank for lp in ctx.layer_plans("deinfer")
-                   if lp.kv_latent_per_rank is not None})
+    return sorted(
+        {
+            lp.kv_latent_per_rank
+            for lp in ctx.layer_plans("deinfer")
+            if lp.kv_latent_per_rank is not None
+        }
+    )
 
 
 def rope_head_counts(ctx: GenContext) -> list[int]:
@@ -34,15 +39,31 @@ def rope_head_counts(ctx: GenContext) -> list[int]:
 
 def copy_kernel_file(width: int, block_size: int) -> KernelFile:
     values = {"block_size": block_size, "width": width, "width_p2": next_pow2(width)}
-    return KernelFile("kv_copy", copy_file_name(width, block_size), "kv_copy.py.j2", values,
-                      {"shape_key": f"w{width}_b{block_size}"})
+    return KernelFile(
+        "kv_copy",
+        copy_file_name(width, block_size),
+        "kv_copy.py.j2",
+        values,
+        {"shape_key": f"w{width}_b{block_size}"},
+    )
 
 
 def rope_kernel_file(heads: int, head_dim: int, style: str) -> KernelFile:
-    values = {"heads": heads, "head_dim": head_dim, "half_p2": next_pow2(head_dim // 2),
-              "style": style, "neox": int(style == "neox"), "block_rows": 16}
-    return KernelFile("rope", rope_file_name(heads, head_dim), "rope.py.j2", values,
-                      {"shape_key": f"h{heads}_d{head_dim}_{style}"})
+    values = {
+        "heads": heads,
+        "head_dim": head_dim,
+        "half_p2": next_pow2(head_dim // 2),
+        "style": style,
+        "neox": int(style == "neox"),
+        "block_rows": 16,
+    }
+    return KernelFile(
+        "rope",
+        rope_file_name(heads, head_dim),
+        "rope.py.j2",
+        values,
+        {"shape_key": f"h{heads}_d{head_dim}_{style}"},
+    )
 
 
 def generate(ctx: GenContext) -> list[KernelFile]:
@@ -50,6 +71,8 @@ def generate(ctx: GenContext) -> list[KernelFile]:
     files = [copy_kernel_file(w, block_size) for w in latent_widths(ctx)]
     positions = ctx.spec.model.positions
     if positions.kind == "rope":
-        files += [rope_kernel_file(h, ctx.spec.model.head_dim, positions.style)
-                  for h in rope_head_counts(ctx)]
+        files += [
+            rope_kernel_file(h, ctx.spec.model.head_dim, positions.style)
+            for h in rope_head_counts(ctx)
+        ]
     return files

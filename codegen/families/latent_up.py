@@ -30,12 +30,11 @@ def generate(ctx: GenContext) -> list[KernelFile]:
     for lp in ctx.layer_plans("deinfer"):
         shape_id = ctx.shape_id(lp.shape)
         for cat in lp.concats:
-            widths = []
-            for name, _ in cat.members:
-                rows, cols = lp.factor(f"{name}.u").local_shape(0)
-                widths.append(cols)
+            widths = [lp.factor(f"{name}.u").local_shape(0)[1] for name, _ in cat.members]
+            key = f"c{cat.width}_" + "_".join(
+                f"{n}{r}x{w}" for (n, r), w in zip(cat.members, widths, strict=True)
+            )
             widths += [0] * (SLOTS - len(widths))
-            key = f"c{cat.width}_" + "_".join(f"{n}{r}x{w}" for (n, r), w in zip(cat.members, widths))
             choice = ctx.meta("latent_up", key, max(widths), cat.width)
             values = {
                 "group": cat.name,
@@ -51,7 +50,12 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                 "meta_source": choice.source,
             }
             files.append(
-                KernelFile("latent_up", file_name(shape_id, cat.name), "latent_up.py.j2", values,
-                           {"shape_key": key, "meta": choice.meta, "meta_source": choice.source})
+                KernelFile(
+                    "latent_up",
+                    file_name(shape_id, cat.name),
+                    "latent_up.py.j2",
+                    values,
+                    {"shape_key": key, "meta": choice.meta, "meta_source": choice.source},
+                )
             )
     return files

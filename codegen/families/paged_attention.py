@@ -26,12 +26,22 @@ def head_layouts(ctx: GenContext) -> list[tuple[int, int]]:
 
 def kernel_file(heads: int, kv_heads: int, head_dim: int, block_size: int) -> KernelFile:
     kind = "MHA" if heads == kv_heads else ("MQA" if kv_heads == 1 else "GQA")
-    values = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-              "head_dim_p2": next_pow2(head_dim), "block_size": block_size,
-              "scale": 1.0 / math.sqrt(head_dim), "kind": kind}
-    return KernelFile("paged_attention", file_name(heads, kv_heads, head_dim, block_size),
-                      "paged_attention.py.j2", values,
-                      {"shape_key": f"h{heads}_kv{kv_heads}_d{head_dim}_b{block_size}"})
+    values = {
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "head_dim_p2": next_pow2(head_dim),
+        "block_size": block_size,
+        "scale": 1.0 / math.sqrt(head_dim),
+        "kind": kind,
+    }
+    return KernelFile(
+        "paged_attention",
+        file_name(heads, kv_heads, head_dim, block_size),
+        "paged_attention.py.j2",
+        values,
+        {"shape_key": f"h{heads}_kv{kv_heads}_d{head_dim}_b{block_size}"},
+    )
 
 
 def generate(ctx: GenContext) -> list[KernelFile]:
