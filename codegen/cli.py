@@ -10,7 +10,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from dsl import MODES, SpecError, build_plan, load_spec
+from dsl import MODES, build_plan, load_spec
+from dsl.errors import UserError
 from dsl.report import plan_json, plan_table
 
 EXIT_USAGE = 2
@@ -43,8 +44,18 @@ def _add_gen(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_gen)
 
 
+def _add_decompose(sub: argparse._SubParsersAction) -> None:
+    from runtime.cli_decompose import add_decompose
+
+    add_decompose(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plan, _add_gen)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_plan,
+    _add_gen,
+    _add_decompose,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +67,7 @@ def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

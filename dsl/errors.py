@@ -1,7 +1,11 @@
-"""The one error type of the spec language."""
+"""Errors that are the user's input: the CLI prints them in one line and exits 2."""
 
 
-class SpecError(ValueError):
+class UserError(ValueError):
+    """Bad input (a spec, a checkpoint, an option); the message says what and where."""
+
+
+class SpecError(UserError):
     """A spec is invalid. ``path`` is the YAML field path (``decomposition.ranks.k``)."""
 
     def __init__(self, path: str, reason: str) -> None:

@@ -56,21 +56,24 @@ class Comm:
             return time.perf_counter()
         return 0.0
 
-    def _done(self, kind: str, elements: int, start: float) -> None:
+    def _done(self, kind: str, elements: int, start: float, tag: str = "") -> None:
+        """Record one collective. Tagged ones (embedding, logits) are kept apart from
+        the blocks' so per-block counts compare with the plan."""
         if self.count:
+            kind = f"{kind}:{tag}" if tag else kind
             if self.timed and torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.stats.record(kind, elements, time.perf_counter() - start if self.timed else 0.0)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> torch.Tensor:
         """Sum over ranks, in place."""
         start = self._start()
         if self.world > 1:
             dist.all_reduce(tensor, group=self.group)
-        self._done("all_reduce", tensor.numel(), start)
+        self._done("all_reduce", tensor.numel(), start, tag)
         return tensor
 
-    def all_gather_columns(self, local: torch.Tensor) -> torch.Tensor:
+    def all_gather_columns(self, local: torch.Tensor, tag: str = "") -> torch.Tensor:
         """[M, W] on each rank -> [M, world·W], rank order along the columns."""
         start = self._start()
         if self.world == 1:
@@ -80,7 +83,7 @@ class Comm:
             stacked = local.new_empty((self.world * rows, width))
             dist.all_gather_into_tensor(stacked, local.contiguous(), group=self.group)
             out = self.columns(stacked.view(self.world, rows, width))
-        self._done("all_gather", out.numel(), start)
+        self._done("all_gather", out.numel(), start, tag)
         return out
 
     def all_gather_chunks(

@@ -1,17 +1,27 @@
-"""Cut full factors into one rank's local tensors, exactly as the plan says.
+"""Cut a layer's factors into one rank's local tensors, exactly as the plan says.
 
-Full factors are in math layout: ``<m>.v`` D [in, r], ``<m>.u`` U [r, out],
-``<m>.weight`` W [in, out], ``<m>.bias`` [out]. Local tensors keep that layout,
-zero-padded where the plan pads; concat-split down factors become ``attn.cat`` /
-``mlp.cat`` [in, width] assembled from the plan's segments.
+Local tensors are in math layout (D [in, r], U [r, out], W [in, out], bias [out]),
+zero-padded where the plan pads; the down factors of a concat-split become
+``attn.cat`` / ``mlp.cat`` [in, width], assembled from the plan's segments. Where the
+factors come from is a ``FactorSource``: full tensors in memory (tests) or a
+checkpoint read slice by slice (``runtime.weights``).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dsl.plan import LayerPlan
-from dsl.sharding import COLS, ROWS, FactorShard
+from dsl.sharding import COLS, ROWS
+
+
+class FactorSource(Protocol):
+    def factor(self, tensor: str, split: str, start: int, stop: int) -> torch.Tensor:
+        """Math-layout slice [start, stop) of ``tensor`` along ``split`` (cols / rows;
+        anything else: the whole tensor), zero-padded past its end."""
+        ...
 
 
 def slice_padded(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -26,29 +36,38 @@ def slice_padded(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tens
     return part.contiguous()
 
 
-def shard_factor(f: FactorShard, full: torch.Tensor, rank: int) -> torch.Tensor:
-    start, stop = f.ranges[rank]
-    if f.split == COLS:
-        return slice_padded(full, full.dim() - 1, start, stop)
-    if f.split == ROWS:
-        return slice_padded(full, 0, start, stop)
-    return full.contiguous()
+class DictSource:
+    """Full math-layout tensors held in memory."""
+
+    def __init__(self, full: dict[str, torch.Tensor]) -> None:
+        self.full = full
+
+    def factor(self, tensor: str, split: str, start: int, stop: int) -> torch.Tensor:
+        if tensor not in self.full:
+            raise KeyError(f"missing tensor {tensor}")
+        t = self.full[tensor]
+        if split == COLS:
+            return slice_padded(t, t.dim() - 1, start, stop)
+        if split == ROWS:
+            return slice_padded(t, 0, start, stop)
+        return t.contiguous()
 
 
-def shard_layer(lp: LayerPlan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """Local tensors of rank ``rank`` for one layer; ``full`` holds every factor the
-    plan names (and, for deinfer, the down factors of each concat member)."""
+def shard_layer(lp: LayerPlan, source: FactorSource, rank: int) -> dict[str, torch.Tensor]:
+    """Local tensors of rank ``rank`` for one layer."""
     local = {}
     for f in lp.factors:
-        if f.tensor not in full:
-            raise KeyError(f"missing tensor {f.tensor} for layer plan {lp.mode}")
-        local[f.tensor] = shard_factor(f, full[f.tensor], rank)
+        start, stop = f.ranges[rank]
+        local[f.tensor] = source.factor(f.tensor, f.split, start, stop).contiguous()
     for cat in lp.concats:
-        first = full[f"{cat.members[0][0]}.v"]
-        w = first.new_zeros((cat.in_features, cat.width))
+        parts = []
         for seg in cat.segments(rank):
-            w[:, seg.dst_start : seg.dst_start + seg.width] = full[f"{seg.member}.v"][
-                :, seg.src_start : seg.src_stop
-            ]
+            d = source.factor(f"{seg.member}.v", COLS, seg.src_start, seg.src_stop)
+            parts.append((seg.dst_start, d))
+        # A rank can hold padding only (a latent narrower than tp): zeros, in fp32.
+        dtype = parts[0][1].dtype if parts else torch.float32
+        w = torch.zeros((cat.in_features, cat.width), dtype=dtype)
+        for dst, d in parts:
+            w[:, dst : dst + d.shape[1]] = d
         local[f"{cat.name}.cat"] = w
     return local

@@ -21,6 +21,8 @@ settings.register_profile(
     "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Examples of the multi-process tests (each starts work on a process group).
+TP_EXAMPLES = 5 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else 40
 
 
 @pytest.fixture

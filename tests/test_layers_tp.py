@@ -17,6 +17,7 @@ from dsl import build_plan, parse_spec
 from runtime.launcher import WorkerGroup
 from runtime.reference import apply_norm, rope_inplace
 from runtime.rope import inv_freq
+from tests.conftest import TP_EXAMPLES
 from tests.strategies import spec_dicts
 from tests.tp_workers import run_layers
 
@@ -136,7 +137,7 @@ def _reference(spec, layers, x, positions):
 
 
 # Shrinking would relaunch the group hundreds of times: report the first failure.
-@settings(max_examples=6, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@settings(max_examples=TP_EXAMPLES, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(spec_dicts(max_tp=3), st.integers(1, 9), st.integers(0, 2**31 - 1))
 def test_sharded_layers_equal_unsharded_reference(groups, tmp_path_factory, raw, tokens, seed):
     text = yaml.safe_dump(raw)

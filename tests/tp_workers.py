@@ -10,7 +10,7 @@ from runtime.comm import Comm
 from runtime.generated import load_generated
 from runtime.layers import LAYER_CLASSES, Batch, LayerSetup
 from runtime.rope import inv_freq
-from runtime.shard import shard_layer
+from runtime.shard import DictSource, shard_layer
 
 
 def causal_attention(captured: list):
@@ -56,7 +56,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
         for index, layer_ranks in enumerate(spec.decomposition.layers):
             lp = next(p for p in plan.modes[mode].layer_plans if p.shape == layer_ranks)
             full = full_layers[index][mode]
-            weights = shard_layer(lp, full, rank)
+            weights = shard_layer(lp, DictSource(full), rank)
             weights.update({k: v for k, v in full.items() if "norm" in k})
             setup = LayerSetup(
                 model=spec.model,
@@ -102,3 +102,32 @@ def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
     want = reference.latent_up_gathered(comm.all_gather_columns(local), ups, ranks)
     diff = max((a - w).abs().max().item() for a, w in zip(accs, want, strict=True))
     return diff, order, torch.equal(Comm.columns(gathered), full), elements
+
+
+def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
+    """Logits of the packed ``prompts`` for each (mode, backend), with comm counts."""
+    from runtime.attention import packed_causal_attention
+    from runtime.model import TPModel
+    from runtime.weights import load_rank_weights
+
+    spec = parse_spec(spec_text)
+    plan = build_plan(spec, tp=world)
+    registry = load_generated(folder).KERNELS
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int32)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], dtype=torch.int32)
+    cu = [0]
+    for p in prompts:
+        cu.append(cu[-1] + len(p))
+    results = {}
+    for mode, backend in runs:
+        comm = Comm(count=True)
+        weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)
+        model = TPModel(spec, plan.modes[mode], rank, comm, registry, backend, weights)
+        batch = Batch(
+            positions=positions,
+            n_valid=torch.tensor([len(ids)], dtype=torch.int32),
+            attention=packed_causal_attention(cu),
+        )
+        logits = model.logits(model(ids, positions, batch))
+        results[(mode, backend)] = (logits, {k: s.elements for k, s in comm.stats.by_kind.items()})
+    return results
