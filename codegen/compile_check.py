@@ -46,8 +46,9 @@ def signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
     return sig
 
 
-def variants(module) -> list[tuple[object, dict]]:
-    """(jit function, constexpr values) for every specialisation the runtime launches."""
+def _specialisations(module) -> list[tuple[object, dict]]:
+    """(jit function, constexpr values) for every specialisation the runtime launches,
+    without the meta-parameters."""
     name = module.__name__.rsplit(".", 1)[-1]
     if name.startswith("down_proj_"):
         layer = module.NORM_KIND.value == 2
@@ -84,6 +85,30 @@ def variants(module) -> list[tuple[object, dict]]:
     return []
 
 
+def variants(module) -> list[tuple[object, dict, dict]]:
+    """(jit function, constexprs, compile options) for every specialisation and every
+    distinct meta-parameter config the module may launch."""
+    configs = getattr(module, "CONFIGS", None)
+    metas = []
+    for cfg in (configs or {}).values():
+        if cfg not in metas:
+            metas.append(cfg)
+    out = []
+    for fn, constexprs in _specialisations(module):
+        if not metas:
+            out.append((fn, constexprs, {"num_warps": 4}))
+        for cfg in metas:
+            blocks = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+            out.append(
+                (
+                    fn,
+                    {**constexprs, **blocks},
+                    {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+                )
+            )
+    return out
+
+
 def compile_folder(folder: Path, arch: int, dtype: str) -> list[str]:
     """Compile every kernel variant; returns one line per kernel."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -102,12 +127,11 @@ def compile_folder(folder: Path, arch: int, dtype: str) -> list[str]:
         if path.stem in ("__init__", "kernels"):
             continue
         module = sys.modules[f"{package}.{path.stem}"]
-        for fn, constexprs in variants(module):
+        for fn, constexprs, options in variants(module):
             start = time.perf_counter()
-            src = ASTSource(
-                fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs
-            )
-            compiled = triton.compile(src, target=target)
+            sig = signature(fn, dtype, constexprs)
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+            compiled = triton.compile(src, target=target, options=options)
             regs = compiled.metadata.shared if hasattr(compiled.metadata, "shared") else 0
             lines.append(
                 f"{path.stem}: sm_{arch} {dtype} ok, {len(compiled.asm['cubin'])} B cubin, "

@@ -66,9 +66,9 @@ def sha256_text(text: str) -> str:
 
 
 def template_hash(name: str) -> str:
-    """Hash of a template and the header it includes."""
-    body = (TEMPLATES / name).read_text() + (TEMPLATES / "_header.j2").read_text()
-    return sha256_text(body)
+    """Hash of a template and the partials (``_*.j2``) it may include."""
+    partials = "".join(p.read_text() for p in sorted(TEMPLATES.glob("_*.j2")))
+    return sha256_text((TEMPLATES / name).read_text() + partials)
 
 
 def _environment() -> jinja2.Environment:

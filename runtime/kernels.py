@@ -11,6 +11,18 @@ from types import ModuleType
 
 BACKENDS = ("triton", "torch")
 
+
+def nearest_bucket(buckets, rows: int) -> int:
+    """The bucket closest to ``rows``; ties go to the larger one (a config tuned for
+    more rows is the safer choice)."""
+    return min(buckets, key=lambda b: (abs(b - rows), -b))
+
+
+def pick_config(configs: dict[int, dict[str, int]], rows: int) -> dict[str, int]:
+    """The meta-parameters of the bucket nearest ``rows``."""
+    return configs[nearest_bucket(configs, rows)]
+
+
 # The launcher name inside each kernel family's module.
 LAUNCHERS = {
     "down_proj": "down_proj",

@@ -1,7 +1,8 @@
 """Plain-torch references of every generated kernel family.
 
 Each function has the signature of the generated launcher (spec constants such as
-``norm`` or ``segments`` are keyword-only and bound by the generated module). They
+``norm`` or ``segments`` are keyword-only and bound by the generated module; ``meta``,
+the launch's meta-parameters, does not change a result and is ignored here). They
 are the test oracle and the ``torch`` backend of CPU runs, so they are written
 without host synchronisation (no ``.item()``, no data-dependent shapes): counts that
 live in device memory are applied as masks.
@@ -44,6 +45,7 @@ def down_proj(
     out: torch.Tensor,
     norm_weight: torch.Tensor | None = None,
     norm_bias: torch.Tensor | None = None,
+    meta: dict | None = None,
     *,
     norm: str,
     eps: float,
@@ -58,6 +60,7 @@ def latent_up_chunk(
     chunk_index: int,
     u_factors: tuple[torch.Tensor, ...],
     accumulators: tuple[torch.Tensor, ...],
+    meta: dict | None = None,
     *,
     segments: Segments,
 ) -> None:
@@ -86,6 +89,7 @@ def gemm_fixed(
     out: torch.Tensor,
     n_valid: torch.Tensor,
     work_counter: torch.Tensor | None = None,
+    meta: dict | None = None,
 ) -> torch.Tensor:
     """out[:n] = a[:n] · b with n = n_valid[0] read from device memory; rows past n
     are left untouched. (The reference computes every row and masks.)"""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from codegen.families import down_proj, gemm_fixed, kv_cache, latent_up, paged_attention
 from runtime import reference
+from runtime.kernels import pick_config
 from tests.kernel_utils import assert_close, context, import_kernel
 from tests.strategies import spec_dicts
 from tune.store import choose
@@ -96,7 +97,9 @@ def test_latent_up_chunks_sum_to_gather_then_gemm(raw, m, dtype, seed):
 )
 def test_gemm_fixed_respects_n_valid(k, n, rows, n_valid, dtype, seed):
     n_valid = min(n_valid, rows)
-    kf = gemm_fixed.kernel_file(k, n, ["test"], choose("gemm_fixed", f"k{k}_n{n}", n, k, None, 1))
+    kf = gemm_fixed.kernel_file(
+        k, n, ["test"], choose("gemm_fixed", f"k{k}_n{n}", n, k, None, (1,))
+    )
     mod = import_kernel(kf)
     a = _randn(rows, k, dtype=dtype, seed=seed) / math.sqrt(k)
     b = _randn(k, n, dtype=dtype, seed=seed + 1)
@@ -106,7 +109,7 @@ def test_gemm_fixed_respects_n_valid(k, n, rows, n_valid, dtype, seed):
     mod.gemm_fixed(a, b, out, torch.tensor([n_valid], dtype=torch.int32), counter)
     assert_close(out[:n_valid], a[:n_valid].float() @ b.float(), dtype)
     assert (out[n_valid:] == sentinel).all(), "rows past n_valid were written"
-    meta = kf.values["meta"]
+    meta = pick_config(mod.CONFIGS, rows)
     tiles_n = -(-n // meta["BLOCK_N"])
     assert counter.item() == -(-n_valid // meta["BLOCK_M"]) * tiles_n  # cost follows n_valid
     ref = torch.full((rows, n), sentinel, dtype=dtype)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from dsl import Plan, Spec
 from dsl.plan import LayerPlan
 from dsl.spec import LayerRanks
-from tune.store import MetaChoice, choose
+from tune.store import ConfigChoice, choose
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class GenContext:
     def layer_plans(self, mode: str) -> tuple[LayerPlan, ...]:
         return self.plan.modes[mode].layer_plans
 
-    def meta(self, family: str, shape_key: str, n: int, k: int) -> MetaChoice:
-        """Tuned or default meta-parameters; baked for the largest decode bucket."""
-        bucket = max(self.spec.runtime.cuda_graph_batch_sizes or (1,))
-        return choose(family, shape_key, n, k, self.device, bucket)
+    def meta(self, family: str, shape_key: str, n: int, k: int) -> ConfigChoice:
+        """Tuned or default meta-parameters per row bucket: the spec's decode batch
+        sizes and its largest prefill (max_batch_size tokens and more)."""
+        rt = self.spec.runtime
+        buckets = (*rt.cuda_graph_batch_sizes, rt.max_batch_size, 256)
+        return choose(family, shape_key, n, k, self.device, buckets)

@@ -31,7 +31,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                 "norm": norm.kind,
                 "norm_kind": NORM_KIND[norm.kind],
                 "eps": norm.eps,
-                "meta": choice.meta,
+                "configs": choice.configs,
                 "meta_source": choice.source,
             }
             files.append(
@@ -40,7 +40,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                     file_name(shape_id, cat.name),
                     "down_proj.py.j2",
                     values,
-                    {"shape_key": key, "meta": choice.meta, "meta_source": choice.source},
+                    {"shape_key": key, "configs": choice.configs, "meta_source": choice.source},
                 )
             )
     return files

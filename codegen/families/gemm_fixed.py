@@ -6,7 +6,7 @@ from __future__ import annotations
 from codegen.families.context import GenContext
 from codegen.render import KernelFile
 from dsl.plan import MODES
-from tune.store import MetaChoice
+from tune.store import ConfigChoice
 
 
 def file_name(k: int, n: int) -> str:
@@ -36,12 +36,12 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
     return dict(sorted(uses.items()))
 
 
-def kernel_file(k: int, n: int, uses: list[str], choice: MetaChoice) -> KernelFile:
+def kernel_file(k: int, n: int, uses: list[str], choice: ConfigChoice) -> KernelFile:
     values = {
         "k": k,
         "n": n,
         "used_by": ", ".join(sorted(set(uses))),
-        "meta": choice.meta,
+        "configs": choice.configs,
         "meta_source": choice.source,
     }
     return KernelFile(
@@ -49,7 +49,7 @@ def kernel_file(k: int, n: int, uses: list[str], choice: MetaChoice) -> KernelFi
         file_name(k, n),
         "gemm_fixed.py.j2",
         values,
-        {"shape_key": f"k{k}_n{n}", "meta": choice.meta, "meta_source": choice.source},
+        {"shape_key": f"k{k}_n{n}", "configs": choice.configs, "meta_source": choice.source},
     )
 
 

@@ -46,7 +46,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                 "members_doc": " | ".join(f"z_{n} ({r})" for n, r in cat.members),
                 "slots_doc": ", ".join(f"{i} = U_{n}" for i, (n, _) in enumerate(cat.members)),
                 "segments": segment_table(cat, ctx.tp),
-                "meta": choice.meta,
+                "configs": choice.configs,
                 "meta_source": choice.source,
             }
             files.append(
@@ -55,7 +55,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
                     file_name(shape_id, cat.name),
                     "latent_up.py.j2",
                     values,
-                    {"shape_key": key, "meta": choice.meta, "meta_source": choice.source},
+                    {"shape_key": key, "configs": choice.configs, "meta_source": choice.source},
                 )
             )
     return files
