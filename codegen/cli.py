@@ -50,20 +50,27 @@ def _add_decompose(sub: argparse._SubParsersAction) -> None:
     add_decompose(sub)
 
 
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from tune.cli import add_tune
+
+    add_tune(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
     _add_gen,
     _add_decompose,
+    _add_tune,
 )
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other user error
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+def run_parser(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -73,20 +80,22 @@ def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="deinfer", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="deinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for register in SUBCOMMANDS:
         register(sub)
-    return _run(parser, argv)
+    return run_parser(parser, argv)
 
 
 def gen_main(argv: Sequence[str] | None = None) -> int:
     from codegen.gen_cli import add_gen_arguments, run_gen
 
-    parser = _Parser(prog="deinfer-gen", description="generate kernels and modules for a spec")
+    parser = OneLineParser(
+        prog="deinfer-gen", description="generate kernels and modules for a spec"
+    )
     add_gen_arguments(parser)
     parser.set_defaults(func=run_gen)
-    return _run(parser, argv)
+    return run_parser(parser, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dsl import Spec, build_plan, parse_spec
 from dsl.errors import SpecError
 from dsl.load import MAX_SPEC_BYTES
 from dsl.report import plan_json
-from tune.store import normalise_device_name
+from tune.store import CONFIG_ROOT, normalise_device_name
 
 FAMILIES = (down_proj, latent_up, gemm_fixed, kv_cache, paged_attention, layers)
 
@@ -44,11 +44,14 @@ def read_spec_text(path: Path) -> str:
         raise SpecError("", f"spec file is not UTF-8 (byte {exc.start})") from None
 
 
-def generate(spec_text: str, default_name: str, device: str | None = None) -> Generated:
-    """Render everything for a spec; raises ``SpecError`` before anything is written."""
+def generate(
+    spec_text: str, default_name: str, device: str | None = None, config_root: Path = CONFIG_ROOT
+) -> Generated:
+    """Render everything for a spec; raises ``SpecError`` before anything is written.
+    ``device`` selects tuned meta-parameters from the store at ``config_root``."""
     spec = parse_spec(spec_text, default_name=default_name)
     device = normalise_device_name(device) if device else None
-    ctx = GenContext(spec=spec, plan=build_plan(spec), device=device)
+    ctx = GenContext(spec=spec, plan=build_plan(spec), device=device, config_root=config_root)
     spec_hash = sha256_text(spec_text)
     kernels = tuple(k for family in FAMILIES for k in family.generate(ctx))
     files = {k.file_name: render(k, spec.name, spec_hash) for k in kernels}

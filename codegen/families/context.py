@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsl import Plan, Spec
 from dsl.plan import LayerPlan
 from dsl.spec import LayerRanks
-from tune.store import ConfigChoice, choose
+from tune.store import CONFIG_ROOT, ConfigChoice, choose
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class GenContext:
     spec: Spec
     plan: Plan  # all modes at the spec's tp
     device: str | None  # normalised GPU name for tuned configs, or None
+    config_root: Path = CONFIG_ROOT  # the tuned-config store
 
     @property
     def tp(self) -> int:
@@ -31,4 +33,4 @@ class GenContext:
         sizes and its largest prefill (max_batch_size tokens and more)."""
         rt = self.spec.runtime
         buckets = (*rt.cuda_graph_batch_sizes, rt.max_batch_size, 256)
-        return choose(family, shape_key, n, k, self.device, buckets)
+        return choose(family, shape_key, n, k, self.device, buckets, self.config_root)

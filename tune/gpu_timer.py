@@ -1,0 +1,63 @@
+"""Timing of one generated kernel launch on a GPU with CUDA-graph replay."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+def _inputs(module: ModuleType, family: str, rows: int, dtype: torch.dtype):
+    dev = "cuda"
+    if family == "gemm_fixed":
+        k, n = module.K.value, module.N.value
+        a, b = (
+            torch.randn(rows, k, device=dev, dtype=dtype),
+            torch.randn(k, n, device=dev, dtype=dtype),
+        )
+        out = torch.empty(rows, n, device=dev, dtype=dtype)
+        n_valid = torch.tensor([rows], device=dev, dtype=torch.int32)
+        return lambda meta: module.gemm_fixed(a, b, out, n_valid, meta=meta)
+    if family == "down_proj":
+        k, w = module.IN_FEATURES.value, module.WIDTH.value
+        x = torch.randn(rows, k, device=dev, dtype=dtype)
+        weight = torch.randn(k, w, device=dev, dtype=dtype)
+        norm = torch.ones(k, device=dev, dtype=dtype)
+        out = torch.empty(rows, w, device=dev, dtype=dtype)
+        return lambda meta: module.down_proj(x, weight, out, norm, meta=meta)
+    if family == "latent_up":
+        widths = [module.N0.value, module.N1.value, module.N2.value][: len(module.RANKS)]
+        ups = tuple(
+            torch.randn(r, n, device=dev, dtype=dtype)
+            for r, n in zip(module.RANKS, widths, strict=True)
+        )
+        chunk = torch.randn(rows, module.CHUNK.value, device=dev, dtype=dtype)
+        accs = tuple(torch.zeros(rows, n, device=dev, dtype=torch.float32) for n in widths)
+        # The chunk with the most work stands for all.
+        index = max(
+            range(len(module.SEGMENTS)), key=lambda j: sum(s[2] for s in module.SEGMENTS[j])
+        )
+        return lambda meta: module.latent_up_chunk(chunk, index, ups, accs, meta=meta)
+    raise ValueError(f"{family} is not tunable")
+
+
+def cuda_graph_timer(dtype: torch.dtype = torch.bfloat16):
+    """A ``tune.tuner.Timer``: median ms of graph-replayed launches."""
+    import triton.testing
+
+    def timer(module: ModuleType, family: str, rows: int, meta: dict) -> float:
+        launch = _inputs(module, family, rows, dtype)
+        launch(meta)  # compile outside the graph
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench_cudagraph(lambda: launch(meta), rep=20))
+
+    return timer
+
+
+def cublas_ms(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """torch.matmul (cuBLAS) on the same [rows, k] · [k, n] shape, for comparison."""
+    import triton.testing
+
+    a = torch.randn(rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    return float(triton.testing.do_bench_cudagraph(lambda: torch.matmul(a, b), rep=20))

@@ -1,0 +1,113 @@
+"""Time candidate meta-parameters of generated kernels on a GPU and store the best.
+
+Each job is one kernel file of a generated folder (family + shape key) and a list of
+row buckets; each candidate is timed with CUDA-graph replay (many launches per
+measurement, ``triton.testing.do_bench_cudagraph``). Candidates that fail to compile
+or run out of resources are skipped. The budget is checked between candidates; when
+it runs out, what has been measured is written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from types import ModuleType
+
+from tune.space import TUNABLE_FAMILIES, search_space
+from tune.store import CONFIG_ROOT, config_path, write_table
+
+Timer = Callable[[ModuleType, str, int, dict], float]  # (module, family, rows, meta) -> ms
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    family: str
+    shape_key: str
+    file: str  # the kernel's file in the generated folder
+    n: int
+    k: int
+
+    def path(self, device: str, root: Path = CONFIG_ROOT) -> Path:
+        return config_path(device, self.family, self.shape_key, root)
+
+
+def jobs_from_manifest(folder: Path, families: tuple[str, ...] = TUNABLE_FAMILIES) -> list[TuneJob]:
+    """Tunable kernels of a generated folder with their GEMM dims (n, k)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    jobs = []
+    for kernel in manifest["kernels"]:
+        if kernel["family"] not in families or "configs" not in kernel:
+            continue
+        n, k = _dims(kernel)
+        jobs.append(TuneJob(kernel["family"], kernel["shape_key"], kernel["file"], n, k))
+    return jobs
+
+
+def _dims(kernel: dict) -> tuple[int, int]:
+    """(n, k) from the shape key: gemm 'k64_n9', down_proj 'k64_n26', latent_up 'c26_q27x32_...'."""
+    key = kernel["shape_key"]
+    if kernel["family"] == "latent_up":
+        chunk = int(key.split("_")[0][1:])
+        widths = [int(part.rsplit("x", 1)[1]) for part in key.split("_")[1:]]
+        return max(widths), chunk
+    parts = dict((p[0], int(p[1:])) for p in key.split("_"))
+    return parts["n"], parts["k"]
+
+
+def tune(
+    jobs: list[TuneJob],
+    modules: dict[str, ModuleType],
+    buckets: list[int],
+    device: str,
+    timer: Timer,
+    budget_s: float,
+    root: Path = CONFIG_ROOT,
+    dtype_bytes: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> dict[TuneJob, dict[int, dict]]:
+    """Best config per job and bucket within ``budget_s``; writes one file per job."""
+    start = time.monotonic()
+    results: dict[TuneJob, dict[int, dict]] = {}
+    out_of_time = False
+    for job in jobs:
+        table: dict[int, dict] = {}
+        timings: dict[int, float] = {}
+        for rows in buckets:
+            best, best_ms = None, float("inf")
+            for meta in search_space(job.n, job.k, rows, device, dtype_bytes):
+                if time.monotonic() - start > budget_s:
+                    out_of_time = True
+                    break
+                try:
+                    ms = timer(modules[job.file], job.family, rows, meta)
+                except Exception as exc:
+                    if progress:
+                        progress(f"skip {job.file} rows {rows} {meta}: {type(exc).__name__}")
+                    continue
+                if ms < best_ms:
+                    best, best_ms = meta, ms
+            if best is not None:
+                table[rows], timings[rows] = best, best_ms
+            if out_of_time:
+                break
+        if table:
+            write_table(
+                job.path(device, root),
+                table,
+                {
+                    "date": date.today().isoformat(),
+                    "device": device,
+                    "kernel": job.file,
+                    "milliseconds": {str(b): timings[b] for b in table},
+                },
+            )
+            results[job] = table
+        if progress:
+            progress(f"{job.file}: {len(table)} bucket(s) tuned")
+        if out_of_time:
+            break
+    return results
