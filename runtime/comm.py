@@ -47,6 +47,8 @@ class Comm:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.count = count or timed
         self.timed = timed
+        # Ring all-gather overlapped with compute; off inside CUDA graphs (one all-gather).
+        self.overlap = True
         self.stats = CommStats()
 
     def _start(self) -> float:
@@ -96,6 +98,15 @@ class Comm:
         start = self._start()
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
+        if not self.overlap and world > 1:
+            dist.all_gather_into_tensor(
+                chunks.view(-1, *local.shape[1:]), local.contiguous(), group=self.group
+            )
+            yield rank, chunks[rank]
+            for j in range(1, world):
+                yield (rank - j) % world, chunks[(rank - j) % world]
+            self._done("all_gather", chunks.numel(), start)
+            return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
 
         def step(s: int) -> list:

@@ -28,6 +28,21 @@ class WorkerError(RuntimeError):
     """A worker rank failed, died or hung."""
 
 
+class LocalWorker:
+    """The one-rank stand-in for ``WorkerGroup``: the object lives in this process."""
+
+    def __init__(self, init: tuple[Callable[..., Any], tuple]) -> None:
+        factory, args = init
+        self.state = factory(0, 1, *args)
+        self.world = 1
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        return [getattr(self.state, method)(*args)]
+
+    def close(self) -> None:
+        self.state = None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +65,9 @@ def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, tasks, results):
+def _worker(
+    rank: int, world: int, port: int, backend: str, timeout_s: float, tasks, results, init=None
+):
     try:
         torch.set_num_threads(1)  # ranks share the machine's cores
         if backend == "nccl":
@@ -65,6 +82,14 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, ta
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
         return
+    state = None
+    try:
+        if init is not None:
+            factory, init_args = init
+            state = factory(rank, world, *init_args)
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+        return
     results.put((rank, "ready", None))
     while True:
         task = tasks.get()
@@ -72,14 +97,24 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, ta
             break
         fn, args = task
         try:
-            results.put((rank, "ok", fn(rank, world, *args)))
+            value = getattr(state, fn)(*args) if isinstance(fn, str) else fn(rank, world, *args)
+            results.put((rank, "ok", value))
         except Exception:
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
 class WorkerGroup:
-    def __init__(self, world: int, backend: str | None = None, timeout_s: float = 120.0) -> None:
+    """``init=(factory, args)`` builds a per-rank object ``factory(rank, world, *args)``
+    after the group is up; ``call(name, *args)`` then runs its method on every rank."""
+
+    def __init__(
+        self,
+        world: int,
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+        init: tuple[Callable[..., Any], tuple] | None = None,
+    ) -> None:
         self.world = world
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
@@ -91,7 +126,7 @@ class WorkerGroup:
             ctx.Process(
                 target=_worker,
                 daemon=True,
-                args=(r, world, port, backend, timeout_s, self.tasks[r], self.results),
+                args=(r, world, port, backend, timeout_s, self.tasks[r], self.results, init),
             )
             for r in range(world)
         ]
@@ -99,11 +134,17 @@ class WorkerGroup:
             p.start()
         self._collect("ready", timeout_s)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None
+    ) -> list[Any]:
         """fn(rank, world, *args) on every rank; the per-rank results in rank order."""
         for q in self.tasks:
             q.put((fn, args))
         return self._collect("ok", timeout_s or self.timeout_s)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """``obj.method(*args)`` on every rank's ``init`` object; per-rank results."""
+        return self.run(method, *args, timeout_s=timeout_s)
 
     def _collect(self, want: str, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}

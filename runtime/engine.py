@@ -1,0 +1,262 @@
+"""The engine API: ``LLM(spec, checkpoint, tp, mode, backend).generate(prompts, params)``.
+
+The driver (this process) owns the scheduler and the block manager; each tensor-parallel
+rank owns a ``ModelRunner`` (in worker processes for tp > 1, here for tp 1). A step
+sends the scheduled sequences to every rank; every rank samples the same token from the
+same gathered logits with the same per-request generator, and rank 0's answer is used.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from codegen.generate import generate as generate_code
+from codegen.generate import stale_files, write_atomically
+from dsl import parse_spec
+from dsl.errors import UserError
+from dsl.plan import MODES
+from runtime.block_manager import BlockManager
+from runtime.kv_cache import bytes_per_block, layer_cache_kind
+from runtime.launcher import LocalWorker, WorkerGroup
+from runtime.model_runner import DTYPES, ModelRunner, RunnerConfig, SeqInput
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import SamplingParams, Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # perf_counter per token
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request: int  # index into the prompts given
+    token_id: int
+    time: float  # perf_counter
+    finished: bool
+
+
+def _spec_for_tp(spec_text: str, tp: int | None) -> str:
+    """The spec text with parallel.tp replaced (validated again by the parser)."""
+    if tp is None:
+        return spec_text
+    raw = yaml.safe_load(spec_text)
+    raw.setdefault("parallel", {})["tp"] = tp
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
+    return ModelRunner(rank, world, config)
+
+
+class LLM:
+    def __init__(
+        self,
+        spec: str | Path,
+        checkpoint: str | Path,
+        tp: int | None = None,
+        mode: str = "deinfer",
+        backend: str | None = None,
+        kv_cache: str | None = None,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int = 256 << 20,
+        cuda_graphs: bool = True,
+        generated_root: str | Path = "generated",
+        timeout_s: float = 600.0,
+    ) -> None:
+        path = Path(spec)
+        text = _spec_for_tp(path.read_text(), tp)
+        self.spec = parse_spec(text, default_name=path.stem)
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
+        kv = kv_cache or self.spec.runtime.kv_cache
+        if kv == "latent" and mode != "deinfer":
+            raise UserError(
+                "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
+            )
+        self.backend = backend or ("triton" if torch.cuda.is_available() else "torch")
+        self._tmp = tempfile.TemporaryDirectory(prefix="deinfer-gen-")
+        folder = self._generated_folder(text, path.stem, Path(generated_root))
+        rt = self.spec.runtime
+        if num_blocks is None:
+            num_blocks = self._blocks_for_budget(kv, mode, kv_memory_bytes)
+        self.blocks = BlockManager(num_blocks, rt.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_size=rt.max_batch_size,
+                max_seq_len=rt.max_seq_len,
+                max_prefill_tokens=max(rt.max_seq_len, 2048),
+            ),
+            self.blocks,
+        )
+        config = RunnerConfig(
+            spec_text=text,
+            generated=str(folder),
+            checkpoint=str(checkpoint),
+            mode=mode,
+            backend=self.backend,
+            kv_cache=kv,
+            num_blocks=num_blocks,
+            cuda_graphs=cuda_graphs,
+        )
+        tp_size = self.spec.parallel.tp
+        self.workers = (
+            LocalWorker((_run_runner, (config,)))
+            if tp_size == 1
+            else WorkerGroup(tp_size, timeout_s=timeout_s, init=(_run_runner, (config,)))
+        )
+        self.tokenizer = self._tokenizer(Path(checkpoint))
+        self._next_id = 0
+
+    def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
+        """The committed generated/<name> when it is current for this spec, else a fresh one."""
+        gen = generate_code(text, default_name=stem)
+        committed = root / self.spec.name
+        if committed.is_dir() and not stale_files(gen.files, committed):
+            return committed
+        folder = Path(self._tmp.name) / self.spec.name
+        write_atomically(gen.files, folder)
+        return folder
+
+    def _blocks_for_budget(self, kv: str, mode: str, budget: int) -> int:
+        from dsl import build_plan
+
+        plan = build_plan(self.spec).modes[mode]
+        plans = [
+            next(p for p in plan.layer_plans if p.shape == r)
+            for r in self.spec.decomposition.layers
+        ]
+        kinds = [layer_cache_kind(lp, kv) for lp in plans]
+        rt = self.spec.runtime
+        per_block = bytes_per_block(
+            plans, kinds, rt.block_size, torch.tensor([], dtype=DTYPES[rt.dtype]).element_size()
+        )
+        wanted = rt.max_batch_size * -(-rt.max_seq_len // rt.block_size)
+        return max(1, min(wanted, budget // max(1, per_block)))
+
+    @staticmethod
+    def _tokenizer(checkpoint: Path):
+        if (
+            not (checkpoint / "tokenizer.json").is_file()
+            and not (checkpoint / "tokenizer.model").is_file()
+        ):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(checkpoint))
+
+    # --- requests ----------------------------------------------------------------------
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError("text prompts need a tokenizer in the checkpoint; give token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=params)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[tuple[Sequence, int, float]]:
+        """One scheduler step: (sequence, new token, time) for each sequence it advanced."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        inputs = [
+            SeqInput(
+                id=s.id,
+                tokens=s.tokens if is_prefill else s.tokens[-1:],
+                length=len(s),
+                block_table=list(s.block_table),
+                params=s.params,
+            )
+            for s in seqs
+        ]
+        tokens = self.workers.call("step", inputs, is_prefill)[0]
+        now = time.perf_counter()
+        events = []
+        finished = []
+        for s, token in zip(seqs, tokens, strict=True):
+            s.output.append(token)
+            events.append((s, token, now))
+            if token in s.params.stop_token_ids:
+                self.scheduler.finish(s, "stop")
+            elif len(s.output) >= s.params.max_tokens:
+                self.scheduler.finish(s, "length")
+            if s.status is Status.FINISHED:
+                finished.append(s.id)
+        if finished:
+            self.workers.call("release", finished)
+        return events
+
+    def stream(
+        self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> Iterator[StreamEvent]:
+        """Tokens as they are produced, with timestamps (for TTFT and ITL)."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        index = {s.id: i for i, s in enumerate(seqs)}
+        while self.scheduler.has_work():
+            for s, token, t in self.step():
+                if s.id in index:
+                    yield StreamEvent(index[s.id], token, t, s.status is Status.FINISHED)
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+    ) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs = [RequestOutput([], [], None, arrival=start) for _ in prompts]
+        seqs: dict[int, Sequence] = {}
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
+            seqs[i] = self.add_request(p, sp)
+        by_id = {s.id: i for i, s in seqs.items()}
+        while self.scheduler.has_work():
+            for s, _, t in self.step():
+                outputs[by_id[s.id]].token_times.append(t)
+        for i, s in seqs.items():
+            out = outputs[i]
+            out.prompt_token_ids, out.token_ids, out.finish_reason = (
+                s.prompt,
+                s.output,
+                s.finish_reason,
+            )
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(s.output)
+        return outputs
+
+    def close(self) -> None:
+        self.workers.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
