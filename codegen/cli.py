@@ -56,12 +56,19 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     add_tune(sub)
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from runtime.cli_run import add_run
+
+    add_run(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
     _add_gen,
     _add_decompose,
     _add_tune,
+    _add_run,
 )
 
 

@@ -39,6 +39,7 @@ class RequestOutput:
     text: str | None = None
     arrival: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter per token
+    num_preemptions: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -213,12 +214,18 @@ class LLM:
             self.workers.call("release", finished)
         return events
 
+    def _submit(self, prompts, params) -> list[Sequence]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        return [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
     def stream(
-        self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
         """Tokens as they are produced, with timestamps (for TTFT and ITL)."""
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        seqs = self._submit(prompts, params)
         index = {s.id: i for i, s in enumerate(seqs)}
         while self.scheduler.has_work():
             for s, token, t in self.step():
@@ -228,28 +235,28 @@ class LLM:
     def generate(
         self,
         prompts: Seq[str | list[int]],
-        params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+        params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         start = time.perf_counter()
-        outputs = [RequestOutput([], [], None, arrival=start) for _ in prompts]
-        seqs: dict[int, Sequence] = {}
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
-            seqs[i] = self.add_request(p, sp)
-        by_id = {s.id: i for i, s in seqs.items()}
+        seqs = self._submit(prompts, params)
+        index = {s.id: i for i, s in enumerate(seqs)}
+        times: list[list[float]] = [[] for _ in seqs]
         while self.scheduler.has_work():
             for s, _, t in self.step():
-                outputs[by_id[s.id]].token_times.append(t)
-        for i, s in seqs.items():
-            out = outputs[i]
-            out.prompt_token_ids, out.token_ids, out.finish_reason = (
-                s.prompt,
-                s.output,
-                s.finish_reason,
+                if s.id in index:
+                    times[index[s.id]].append(t)
+        return [
+            RequestOutput(
+                prompt_token_ids=s.prompt,
+                token_ids=s.output,
+                finish_reason=s.finish_reason,
+                text=self.tokenizer.decode(s.output) if self.tokenizer else None,
+                arrival=start,
+                token_times=times[i],
+                num_preemptions=s.num_preemptions,
             )
-            if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(s.output)
-        return outputs
+            for i, s in enumerate(seqs)
+        ]
 
     def close(self) -> None:
         self.workers.close()

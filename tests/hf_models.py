@@ -95,3 +95,45 @@ def load_products(model, spec, checkpoint: Path):
                     v = files[f"{base}.v.weight"].get_tensor(f"{base}.v.weight").float()
                     params[f"{base}.weight"].copy_(u @ v)
     return model
+
+
+def make_decomposed(
+    tmp: Path, family: str, kwargs: dict, ranks: dict, tp: int, runtime: dict, seed: int = 3
+):
+    """A random transformers model saved to tmp/dense, decomposed by ``deinfer decompose``
+    into tmp/lowrank with ``ranks``; returns (spec path, checkpoint, reference model with
+    the products D·U, spec)."""
+    import yaml
+
+    from codegen.cli import main as cli
+    from dsl import parse_spec
+    from runtime.decompose import model_section
+
+    hf = build_hf(family, kwargs, seed)
+    hf.save_pretrained(tmp / "dense")
+    raw = {
+        "name": "tiny-hf",
+        "model": model_section(hf.config.to_dict()),
+        "decomposition": {"ranks": ranks},
+        "parallel": {"tp": tp},
+        "runtime": runtime,
+    }
+    spec_path = tmp / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(raw))
+    assert (
+        cli(
+            [
+                "decompose",
+                "--model",
+                str(tmp / "dense"),
+                "--spec",
+                str(spec_path),
+                "--out",
+                str(tmp / "lowrank"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    spec = parse_spec(spec_path.read_text())
+    return spec_path, tmp / "lowrank", load_products(hf, spec, tmp / "lowrank"), spec

@@ -1,0 +1,78 @@
+"""``deinfer run``: generate from a prompt with the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dsl.plan import MODES
+
+
+def add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text (or token ids) with a decomposed checkpoint")
+    p.add_argument("--spec", required=True, type=Path)
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="text if the checkpoint has a tokenizer, else comma-separated token ids; "
+        "repeat for a batch",
+    )
+    p.add_argument("--tp", type=int, default=None, help="default: the spec's")
+    p.add_argument("--mode", choices=MODES, default="deinfer")
+    p.add_argument("--kv-cache", choices=("dense", "latent", "auto"), default=None)
+    p.add_argument(
+        "--backend",
+        choices=("triton", "torch"),
+        default=None,
+        help="default: triton on a GPU, torch on a CPU",
+    )
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.engine import LLM
+    from runtime.sequence import SamplingParams
+
+    start = time.perf_counter()
+    print(
+        f"loading {args.checkpoint} (spec {args.spec}, mode {args.mode}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    with LLM(
+        args.spec,
+        args.checkpoint,
+        tp=args.tp,
+        mode=args.mode,
+        kv_cache=args.kv_cache,
+        backend=args.backend,
+    ) as llm:
+        print(
+            f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "
+            f"backend {llm.backend}",
+            file=sys.stderr,
+            flush=True,
+        )
+        prompts = [
+            p if llm.tokenizer else [int(t) for t in p.split(",") if t.strip()] for p in args.prompt
+        ]
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+            print(f"{prompt!r} -> {shown}")
+            itl = sum(out.itl) / len(out.itl) * 1e3 if out.itl else 0.0
+            print(
+                f"  {len(out.token_ids)} tokens, finish {out.finish_reason}, "
+                f"TTFT {out.ttft * 1e3:.1f} ms, mean ITL {itl:.1f} ms",
+                file=sys.stderr,
+            )
+    return 0

@@ -1,0 +1,141 @@
+"""End to end: the engine's greedy generation equals transformers' generate token for
+token on a random tiny decomposed model (fp32), at tp 1 and 2, in modes deinfer (dense
+and latent KV cache) and base; also with preemption and with requests arriving late."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.engine import LLM
+from runtime.sequence import SamplingParams
+from tests.conftest import REPO
+from tests.hf_models import make_decomposed
+
+CONFIG = {
+    "vocab_size": 48,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.15,
+}
+RANKS = {"q": 7, "k": 5, "v": 9, "o": 11, "gate": 13, "up": 3, "down": 17}
+RUNTIME = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_batch_size": 8,
+    "max_seq_len": 40,
+    "cuda_graph_batch_sizes": [1, 2, 4, 8],
+}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22]]
+MAX_TOKENS = 7
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    spec_path, ckpt, ref, spec = make_decomposed(tmp, "llama", CONFIG, RANKS, 1, RUNTIME)
+    ref.generation_config.eos_token_id = None  # compare full lengths
+    want = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = ref.generate(
+                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+            want.append(out[0, len(p) :].tolist())
+    return spec_path, ckpt, want
+
+
+@pytest.mark.parametrize(
+    "tp,mode,kv",
+    [
+        (1, "deinfer", "dense"),
+        (1, "deinfer", "latent"),
+        (1, "base", "dense"),
+        (2, "deinfer", "dense"),
+        (2, "deinfer", "latent"),
+        (2, "base", "dense"),
+    ],
+)
+def test_greedy_equals_transformers(model, tp, mode, kv):
+    spec_path, ckpt, want = model
+    backend = "triton" if (tp, kv) == (2, "latent") else "torch"
+    with LLM(spec_path, ckpt, tp=tp, mode=mode, kv_cache=kv, backend=backend) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_preemption_when_the_pool_is_too_small(model, tp):
+    spec_path, ckpt, want = model
+    # 6 blocks of 4 tokens cannot hold four sequences of up to 16 tokens at once.
+    with LLM(spec_path, ckpt, tp=tp, kv_cache="latent", num_blocks=6) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.num_preemptions for o in outs) > 0
+
+
+def test_requests_arriving_while_others_decode(model):
+    spec_path, ckpt, want = model
+    with LLM(spec_path, ckpt, tp=2, kv_cache="dense") as llm:
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        seqs = [llm.add_request(PROMPTS[0], params), llm.add_request(PROMPTS[1], params)]
+        for _ in range(3):
+            llm.step()
+        seqs += [llm.add_request(p, params) for p in PROMPTS[2:]]
+        too_long = llm.add_request(list(range(39)), params)
+        while llm.scheduler.has_work():
+            llm.step()
+    assert [s.output for s in seqs] == want
+    assert too_long.finish_reason.startswith("error:") and "max_seq_len" in too_long.finish_reason
+
+
+def test_seeded_sampling_is_deterministic_and_streams(model):
+    spec_path, ckpt, _ = model
+    params = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, top_k=20, seed=11)
+    with LLM(spec_path, ckpt, tp=1) as llm:
+        first = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+        second = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+        events = list(llm.stream(PROMPTS[:2], params))
+    assert first == second
+    assert [e.token_id for e in events if e.request == 0] == first[0]
+    assert [e.time for e in events] == sorted(e.time for e in events)
+    assert sum(e.finished for e in events) == 2
+    with LLM(spec_path, ckpt, tp=2) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], params)] == first
+
+
+def test_deinfer_run_cli_at_tp2(model):
+    spec_path, ckpt, want = model
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "codegen.cli",
+            "run",
+            "--spec",
+            str(spec_path),
+            "--checkpoint",
+            str(ckpt),
+            "--tp",
+            "2",
+            "--prompt",
+            "1,2,3,4,5",
+            "--max-tokens",
+            str(MAX_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " ".join(map(str, want[0])) in proc.stdout
