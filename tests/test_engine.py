@@ -41,7 +41,7 @@ MAX_TOKENS = 7
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    spec_path, ckpt, ref, spec = make_decomposed(tmp, "llama", CONFIG, RANKS, 1, RUNTIME)
+    spec_path, ckpt, ref, _spec = make_decomposed(tmp, "llama", CONFIG, RANKS, 1, RUNTIME)
     ref.generation_config.eos_token_id = None  # compare full lengths
     want = []
     with torch.no_grad():

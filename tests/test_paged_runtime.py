@@ -51,7 +51,7 @@ def test_block_manager_and_scheduler_invariants(num_blocks, block_size, ops):
             if seq.status is Status.FINISHED:
                 assert seq.finish_reason.startswith("error")
         elif op == "step" and sched.has_work():
-            batch, prefill = sched.schedule()
+            batch, _prefill = sched.schedule()
             for s in batch:
                 s.output.append(0)
                 if len(s.output) >= s.params.max_tokens:
