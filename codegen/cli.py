@@ -62,6 +62,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     add_run(sub)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from runtime.demo import add_demo
+
+    add_demo(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
@@ -69,6 +75,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_decompose,
     _add_tune,
     _add_run,
+    _add_demo,
 )
 
 
