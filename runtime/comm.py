@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
 # torch 2.13 renamed the flat all-gather; older releases only have the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
