@@ -68,6 +68,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     add_demo(sub)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from runtime.cli_bench import add_bench
+
+    add_bench(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
@@ -76,6 +82,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_tune,
     _add_run,
     _add_demo,
+    _add_bench,
 )
 
 

@@ -85,6 +85,8 @@ class LLM:
         cuda_graphs: bool = True,
         generated_root: str | Path = "generated",
         timeout_s: float = 600.0,
+        comm_stats: str = "off",
+        overlap: bool = True,
     ) -> None:
         path = Path(spec)
         text = _spec_for_tp(path.read_text(), tp)
@@ -120,6 +122,8 @@ class LLM:
             kv_cache=kv,
             num_blocks=num_blocks,
             cuda_graphs=cuda_graphs,
+            comm_stats=comm_stats,
+            overlap=overlap,
         )
         tp_size = self.spec.parallel.tp
         self.workers = (

@@ -33,6 +33,8 @@ class RunnerConfig:
     kv_cache: str  # dense | latent | auto
     num_blocks: int
     cuda_graphs: bool = True
+    comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
+    overlap: bool = True  # ring all-gather overlapped with the up-projection
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class ModelRunner:
         dtype = DTYPES[spec.runtime.dtype]
         mode_plan = build_plan(spec, tp=world).modes[config.mode]
         self.registry = load_generated(config.generated).KERNELS
-        self.comm = Comm()
+        self.comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
+        self.comm.overlap = config.overlap
         weights = load_rank_weights(config.checkpoint, spec, mode_plan, rank, dtype)
         self.model = TPModel(
             spec, mode_plan, rank, self.comm, self.registry, config.backend, weights
@@ -302,6 +305,16 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.generators.pop(i, None)
+
+    def set_comm_stats(self, mode: str) -> None:
+        """off | count | timed, from now on (benchmarks time only their breakdown runs)."""
+        self.comm.count, self.comm.timed = mode != "off", mode == "timed"
+
+    def take_comm_stats(self) -> dict[str, tuple[int, int, float]]:
+        """{kind: (calls, elements, seconds)} since the last call; resets the counters."""
+        out = {k: (v.calls, v.elements, v.seconds) for k, v in self.comm.stats.by_kind.items()}
+        self.comm.stats.by_kind.clear()
+        return out
 
     def step(self, seqs: list[SeqInput], is_prefill: bool) -> list[int]:
         return self.prefill(seqs) if is_prefill else self.decode(seqs)

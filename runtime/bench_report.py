@@ -1,0 +1,86 @@
+"""Bench results as a markdown table and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    cfg = results["config"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
+        f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['num_requests']} requests × "
+        f"{cfg['prompt_len']} prompt + {cfg['output_len']} output tokens, {cfg['reps']} "
+        "interleaved repetitions after a warm-up.",
+        "",
+        "| config | decode tok/s (min / median / max) | vs base | output tok/s | "
+        "TTFT ms (median) | ITL ms (median / p99) | block comm ms | block rest ms | "
+        "elements/token/block (measured = plan) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v in results["variants"]:
+        d = v["decode_tokens_per_s"]
+        speed = v["decode_speedup_vs_base"]
+        serving = v["serving"][len(v["serving"]) // 2]
+        br = v["breakdown"]
+        measured = br["elements_per_token_per_block"]
+        planned = v["planned_elements_per_token_per_block"]
+        same = all(abs(measured.get(k, 0) - planned[k]) < 1e-9 for k in planned)
+        elements = ", ".join(f"{k.replace('all_', '')} {measured.get(k, 0):,.0f}" for k in planned)
+        lines.append(
+            f"| {v['label']} | {d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
+            f"{'' if speed is None else f'{speed:.2f}x'} | {v['output_tokens_per_s']['median']:.1f}"
+            f" | {serving['ttft_ms']['median']:.0f} | {serving['itl_ms']['median']:.1f} / "
+            f"{serving['itl_ms']['p99']:.1f} | {br['block_ms_per_step']['communication']:.2f} | "
+            f"{br['block_ms_per_step']['compute_and_overhead']:.2f} | {elements} "
+            f"({'=' if same else '≠'} plan) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for v in results["variants"]:
+        name = f"{v['mode']} kv={v['kv_cache']}" + ("" if v["ratio"] is None else f" r{v['ratio']}")
+        series.setdefault(name, []).append((v["tp"], v["decode_tokens_per_s"]["median"]))
+    for name, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xticks(sorted({v["tp"] for v in results["variants"]}))
+    ax.set_xlabel("tensor-parallel degree")
+    ax.set_ylabel("decode tokens / s (median)")
+    ax.set_title("Decode throughput vs TP")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "throughput_vs_tp.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [v["label"] for v in results["variants"]]
+    comm = [v["breakdown"]["block_ms_per_step"]["communication"] for v in results["variants"]]
+    rest = [
+        v["breakdown"]["block_ms_per_step"]["compute_and_overhead"] for v in results["variants"]
+    ]
+    ax.bar(labels, rest, label="compute + overhead")
+    ax.bar(labels, comm, bottom=rest, label="communication")
+    ax.set_ylabel("ms per block per decode step")
+    ax.set_title("Per-block breakdown (paper Table 5)")
+    ax.tick_params(axis="x", rotation=45, labelsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "breakdown.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+    return written

@@ -1,0 +1,77 @@
+"""``deinfer bench``: arguments, progress, and the JSON / markdown / PNG outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    from runtime.bench import PRESETS
+
+    p = sub.add_parser("bench", help="throughput, serving and breakdown, modes side by side")
+    p.add_argument("--preset", default="cpu-smoke", choices=sorted(PRESETS))
+    p.add_argument("--spec", default=None, help="override the preset's spec")
+    p.add_argument("--tps", type=_ints, default=None, help="e.g. 1,2,4")
+    p.add_argument("--modes", default=None, help="e.g. deinfer,base,dense")
+    p.add_argument("--kv-caches", default=None, help="e.g. dense,latent")
+    p.add_argument("--ratios", default=None, help="compression ratios, e.g. 0.2,0.4,0.6")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=None, help="requests/s; inf: at once")
+    p.add_argument("--backend", choices=("triton", "torch"), default=None)
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="one all-gather instead of the ring overlapped with the up GEMM",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from runtime.bench import preset, run_bench
+    from runtime.bench_report import markdown, plots
+
+    cfg = preset(args.preset)
+    overrides = {
+        "spec": args.spec,
+        "tps": args.tps,
+        "reps": args.reps,
+        "backend": args.backend,
+        "request_rate": args.request_rate,
+        "modes": tuple(args.modes.split(",")) if args.modes else None,
+        "kv_caches": tuple(args.kv_caches.split(",")) if args.kv_caches else None,
+        "ratios": tuple(float(x) for x in args.ratios.split(",")) if args.ratios else None,
+    }
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if args.no_overlap:
+        cfg = replace(cfg, overlap=False)
+    bar = tqdm(desc="bench", unit="run", file=sys.stderr)
+
+    def progress(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+
+    results = run_bench(cfg, progress)
+    bar.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    written = [] if args.no_plots else plots(results, args.out)
+    print(table)
+    print(
+        f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"
+        + "".join(f", {p}" for p in written)
+    )
+    return 0

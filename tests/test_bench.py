@@ -1,0 +1,113 @@
+"""`deinfer bench` on a tiny model: the structure of its outputs and that the measured
+communication equals the plan (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from codegen.cli import main as cli
+from runtime.bench import PRESETS, BenchConfig, run_bench
+from runtime.bench_report import markdown, plots
+from tests.conftest import SPECS
+
+
+def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
+    cfg = BenchConfig(
+        spec=str(SPECS / "tiny-llama.yaml"),
+        tps=(1, 2),
+        kv_caches=("dense", "latent"),
+        num_requests=3,
+        prompt_len=5,
+        output_len=4,
+        max_batch=4,
+        serving_requests=3,
+        breakdown_steps=2,
+        reps=2,
+    )
+    messages = []
+    results = run_bench(cfg, messages.append)
+    assert messages, "no progress reported"
+    assert set(results) == {"config", "machine", "variants"}
+    assert {"cpu", "cores", "torch", "triton", "gpu"} <= set(results["machine"])
+    labels = {v["label"] for v in results["variants"]}
+    assert labels == {
+        f"{m} kv={kv} tp{tp}"
+        for tp in (1, 2)
+        for m, kv in (
+            ("deinfer", "dense"),
+            ("deinfer", "latent"),
+            ("base", "dense"),
+            ("dense", "dense"),
+        )
+    }
+    for v in results["variants"]:
+        assert len(v["throughput"]) == 2 and len(v["serving"]) == 2
+        for key in (
+            "requests_per_s",
+            "output_tokens_per_s",
+            "total_tokens_per_s",
+            "decode_tokens_per_s",
+        ):
+            assert v["throughput"][0][key] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(v["serving"][0][key]) == {"mean", "median", "p99"}
+        d = v["decode_tokens_per_s"]
+        assert d["min"] <= d["median"] <= d["max"]
+        measured = v["breakdown"]["elements_per_token_per_block"]
+        planned = v["planned_elements_per_token_per_block"]
+        assert measured == pytest.approx(planned, rel=1e-12), v["label"]
+        if v["mode"] == "base":
+            assert v["decode_speedup_vs_base"] == 1.0
+    table = markdown(results)
+    assert table.count("(= plan)") == len(results["variants"])
+    files = plots(results, tmp_path)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
+    json.dumps(results)
+
+
+def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monkeypatch):
+    assert {
+        "cpu-smoke",
+        "cpu-target",
+        "paper-high-load-cpu",
+        "paper-mild-load-cpu",
+        "paper-serving-cpu",
+        "paper-scaling-cpu",
+    } <= set(PRESETS)
+    tiny = replace(
+        BenchConfig(spec=str(SPECS / "tiny-opt.yaml")),
+        tps=(2,),
+        modes=("deinfer",),
+        num_requests=2,
+        prompt_len=3,
+        output_len=3,
+        max_batch=2,
+        serving_requests=2,
+        breakdown_steps=1,
+        reps=1,
+    )
+    monkeypatch.setitem(
+        PRESETS,
+        "test-tiny",
+        {
+            k: getattr(tiny, k)
+            for k in (
+                "spec",
+                "tps",
+                "modes",
+                "num_requests",
+                "prompt_len",
+                "output_len",
+                "max_batch",
+                "serving_requests",
+                "breakdown_steps",
+                "reps",
+            )
+        },
+    )
+    assert cli(["bench", "--preset", "test-tiny", "--out", str(tmp_path)]) == 0
+    for name in ("results.json", "results.md", "throughput_vs_tp.png", "breakdown.png"):
+        assert (tmp_path / name).is_file()
