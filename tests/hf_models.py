@@ -97,6 +97,29 @@ def load_products(model, spec, checkpoint: Path):
     return model
 
 
+# The small Llama most runtime tests use, and odd ranks that differ per matrix.
+TINY_LLAMA = {
+    "vocab_size": 40,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.1,
+}
+TINY_RANKS = {"q": 7, "k": 5, "v": 9, "o": 11, "gate": 13, "up": 3, "down": 17}
+
+
+def decompose_with_cli(dense: Path, spec_path: Path, out: Path) -> None:
+    """``deinfer decompose`` as a user runs it (in process)."""
+    from codegen.cli import main as cli
+
+    args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--out", str(out)]
+    assert cli([*args, "--quiet"]) == 0
+
+
 def make_decomposed(
     tmp: Path, family: str, kwargs: dict, ranks: dict, tp: int, runtime: dict, seed: int = 3
 ):
@@ -105,7 +128,6 @@ def make_decomposed(
     the products D·U, spec)."""
     import yaml
 
-    from codegen.cli import main as cli
     from dsl import parse_spec
     from runtime.decompose import model_section
 
@@ -120,20 +142,6 @@ def make_decomposed(
     }
     spec_path = tmp / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(raw))
-    assert (
-        cli(
-            [
-                "decompose",
-                "--model",
-                str(tmp / "dense"),
-                "--spec",
-                str(spec_path),
-                "--out",
-                str(tmp / "lowrank"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    decompose_with_cli(tmp / "dense", spec_path, tmp / "lowrank")
     spec = parse_spec(spec_path.read_text())
     return spec_path, tmp / "lowrank", load_products(hf, spec, tmp / "lowrank"), spec

@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from dsl.spec import GLU_MATRICES, PLAIN_MATRICES
 
 
-def _matrix_limits(model: dict) -> dict[str, int]:
+def matrix_limits(model: dict) -> dict[str, int]:
+    """min(in, out) of every projection of a model mapping (spec field names)."""
     h, m = model["hidden_size"], model["intermediate_size"]
-    d = model["head_dim"]
+    d = model.get("head_dim") or h // model["num_heads"]
     hq, hkv = model["num_heads"] * d, model["num_kv_heads"] * d
     return {
         "q": min(h, hq),
@@ -27,7 +28,7 @@ def _matrix_limits(model: dict) -> dict[str, int]:
 @st.composite
 def rank_maps(draw, model: dict, allow_dense: bool = True, partial: bool = False) -> dict:
     names = GLU_MATRICES if model["family"] != "opt" else PLAIN_MATRICES
-    limits = _matrix_limits(model)
+    limits = matrix_limits(model)
     out = {}
     for name in names:
         if partial and draw(st.booleans()):

@@ -17,25 +17,13 @@ from runtime.checkpoint import CheckpointError, CheckpointReader, expected_tenso
 from runtime.decompose import svd_factors
 from runtime.weights import load_rank_weights
 from tests.conftest import REPO
-from tests.hf_models import build_hf
-
-CONFIG = {
-    "vocab_size": 40,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 24,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.1,
-}
+from tests.hf_models import TINY_LLAMA, build_hf, decompose_with_cli
 
 
 @pytest.fixture(scope="module")
 def decomposed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
-    build_hf("llama", CONFIG, seed=3).save_pretrained(tmp / "dense")
+    build_hf("llama", TINY_LLAMA, seed=3).save_pretrained(tmp / "dense")
     assert (
         cli(
             [
@@ -54,21 +42,7 @@ def decomposed(tmp_path_factory):
         )
         == 0
     )
-    assert (
-        cli(
-            [
-                "decompose",
-                "--model",
-                str(tmp / "dense"),
-                "--spec",
-                str(tmp / "spec.yaml"),
-                "--out",
-                str(tmp / "lowrank"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    decompose_with_cli(tmp / "dense", tmp / "spec.yaml", tmp / "lowrank")
     return tmp
 
 

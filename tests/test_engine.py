@@ -13,7 +13,7 @@ import torch
 from runtime.engine import LLM
 from runtime.sequence import SamplingParams
 from tests.conftest import REPO
-from tests.hf_models import make_decomposed
+from tests.hf_models import TINY_RANKS, make_decomposed
 
 CONFIG = {
     "vocab_size": 48,
@@ -26,7 +26,6 @@ CONFIG = {
     "max_position_embeddings": 64,
     "initializer_range": 0.15,
 }
-RANKS = {"q": 7, "k": 5, "v": 9, "o": 11, "gate": 13, "up": 3, "down": 17}
 RUNTIME = {
     "dtype": "float32",
     "block_size": 4,
@@ -41,7 +40,7 @@ MAX_TOKENS = 7
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    spec_path, ckpt, ref, _spec = make_decomposed(tmp, "llama", CONFIG, RANKS, 1, RUNTIME)
+    spec_path, ckpt, ref, _spec = make_decomposed(tmp, "llama", CONFIG, TINY_RANKS, 1, RUNTIME)
     ref.generation_config.eos_token_id = None  # compare full lengths
     want = []
     with torch.no_grad():

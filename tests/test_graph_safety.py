@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from codegen.generate import generate, write_atomically
 from runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 from runtime.sequence import SamplingParams
-from tests.hf_models import make_decomposed
+from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed
 
 HOST_SYNC = {
     "_local_scalar_dense",
@@ -22,18 +22,6 @@ HOST_SYNC = {
     "_unique2",
     "repeat_interleave",
 }
-CONFIG = {
-    "vocab_size": 40,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 24,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.1,
-}
-RANKS = {"q": 7, "k": 5, "v": 9, "o": 11, "gate": 13, "up": 3, "down": 17}
 RUNTIME = {
     "dtype": "float32",
     "block_size": 4,
@@ -57,7 +45,7 @@ class Trace(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def runner_factory(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("graph")
-    spec_path, ckpt, _, _ = make_decomposed(tmp, "llama", CONFIG, RANKS, 1, RUNTIME)
+    spec_path, ckpt, _, _ = make_decomposed(tmp, "llama", TINY_LLAMA, TINY_RANKS, 1, RUNTIME)
     text = spec_path.read_text()
     write_atomically(generate(text, "tiny-hf").files, tmp / "gen")
 

@@ -9,13 +9,13 @@ import yaml
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from codegen.cli import main as cli
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
 from runtime.decompose import model_section
 from runtime.launcher import WorkerGroup
 from tests.conftest import TP_EXAMPLES
-from tests.hf_models import FAMILIES, build_hf, hf_configs, load_products
+from tests.hf_models import FAMILIES, build_hf, decompose_with_cli, hf_configs, load_products
+from tests.strategies import matrix_limits
 from tests.tp_workers import run_model
 
 # fp32 everywhere; the sharded sums and the SVD products reorder additions.
@@ -39,20 +39,7 @@ def groups():
 
 def _random_ranks(draw, section: dict) -> dict:
     """Ranks that are odd, differ between q/k/v and between layers, one matrix dense."""
-    h, m = section["hidden_size"], section["intermediate_size"]
-    hq = section["num_heads"] * section["head_dim"]
-    hkv = section["num_kv_heads"] * section["head_dim"]
-    limits = {
-        "q": min(h, hq),
-        "k": min(h, hkv),
-        "v": min(h, hkv),
-        "o": min(h, hq),
-        "gate": min(h, m),
-        "up": min(h, m),
-        "down": min(h, m),
-        "fc1": min(h, m),
-        "fc2": min(h, m),
-    }
+    limits = matrix_limits({**section, "family": section["family"]})
     names = (
         ("q", "k", "v", "o", "fc1", "fc2")
         if section["family"] == "opt"
@@ -91,21 +78,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
     }
     text = yaml.safe_dump(raw)
     (tmp / "spec.yaml").write_text(text)
-    assert (
-        cli(
-            [
-                "decompose",
-                "--model",
-                str(tmp / "dense"),
-                "--spec",
-                str(tmp / "spec.yaml"),
-                "--out",
-                str(tmp / "lowrank"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    decompose_with_cli(tmp / "dense", tmp / "spec.yaml", tmp / "lowrank")
     spec = parse_spec(text)
     write_atomically(generate(text, "hf").files, tmp / "gen")
     prompts = [
