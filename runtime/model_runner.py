@@ -281,6 +281,7 @@ class ModelRunner:
         """CUDA graphs per batch-size bucket (GPU only); the ring all-gather is replaced by
         one all-gather inside graphs."""
         self.comm.overlap = False
+        self.slots.fill_(self.scratch_slot)  # warm-up and capture write to the scratch block
         pool = None
         for bucket in reversed(self.buckets):
             self.n_tokens.fill_(bucket)
