@@ -37,7 +37,10 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from runtime.engine import LLM
+    from runtime.launcher import WorkerGroup
     from runtime.sequence import SamplingParams
 
     start = time.perf_counter()
@@ -66,7 +69,14 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
-        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        outputs = llm.generate(prompts, params)
+        if (
+            llm.workers.world > 1
+            and not isinstance(llm.workers, WorkerGroup)
+            and torch.distributed.get_rank() != 0
+        ):
+            return 0  # under torchrun, rank 0 reports
+        for prompt, out in zip(prompts, outputs, strict=True):
             shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
             print(f"{prompt!r} -> {shown}")
             itl = sum(out.itl) / len(out.itl) * 1e3 if out.itl else 0.0

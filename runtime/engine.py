@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from codegen.generate import generate as generate_code
@@ -25,7 +26,7 @@ from dsl.errors import UserError
 from dsl.plan import MODES
 from runtime.block_manager import BlockManager
 from runtime.kv_cache import bytes_per_block, layer_cache_kind
-from runtime.launcher import LocalWorker, WorkerGroup
+from runtime.launcher import LocalWorker, WorkerGroup, init_from_env, under_torchrun
 from runtime.model_runner import DTYPES, ModelRunner, RunnerConfig, SeqInput
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import SamplingParams, Sequence, Status
@@ -126,11 +127,19 @@ class LLM:
             overlap=overlap,
         )
         tp_size = self.spec.parallel.tp
-        self.workers = (
-            LocalWorker((_run_runner, (config,)))
-            if tp_size == 1
-            else WorkerGroup(tp_size, timeout_s=timeout_s, init=(_run_runner, (config,)))
-        )
+        init = (_run_runner, (config,))
+        if under_torchrun():
+            # Every rank runs this driver; the scheduler is deterministic and every rank
+            # samples the same tokens, so the ranks stay in lockstep.
+            if not dist.is_initialized():
+                init_from_env(timeout_s)
+            if dist.get_world_size() != tp_size:
+                raise UserError(f"torchrun started {dist.get_world_size()} ranks, tp is {tp_size}")
+            self.workers = LocalWorker(init, spmd=True)
+        elif tp_size == 1:
+            self.workers = LocalWorker(init)
+        else:
+            self.workers = WorkerGroup(tp_size, timeout_s=timeout_s, init=init)
         self.tokenizer = self._tokenizer(Path(checkpoint))
         self._next_id = 0
 

@@ -29,12 +29,14 @@ class WorkerError(RuntimeError):
 
 
 class LocalWorker:
-    """The one-rank stand-in for ``WorkerGroup``: the object lives in this process."""
+    """This process's rank as a ``WorkerGroup`` of one: alone (tp 1), or one rank of a
+    ``torchrun`` group where every rank runs the same driver in lockstep (``spmd``)."""
 
-    def __init__(self, init: tuple[Callable[..., Any], tuple]) -> None:
+    def __init__(self, init: tuple[Callable[..., Any], tuple], spmd: bool = False) -> None:
         factory, args = init
-        self.state = factory(0, 1, *args)
-        self.world = 1
+        rank, world = (dist.get_rank(), dist.get_world_size()) if spmd else (0, 1)
+        self.state = factory(rank, world, *args)
+        self.world = world
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         return [getattr(self.state, method)(*args)]
@@ -51,6 +53,10 @@ def free_port() -> int:
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:

@@ -138,3 +138,38 @@ def test_deinfer_run_cli_at_tp2(model):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert " ".join(map(str, want[0])) in proc.stdout
+
+
+def test_deinfer_run_under_torchrun(model):
+    """Every rank runs the driver in lockstep; rank 0 prints the same tokens."""
+    spec_path, ckpt, want = model
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "codegen.cli",
+            "run",
+            "--spec",
+            str(spec_path),
+            "--checkpoint",
+            str(ckpt),
+            "--tp",
+            "2",
+            "--prompt",
+            "1,2,3,4,5",
+            "--max-tokens",
+            str(MAX_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "->" in line]
+    assert lines == [f"[1, 2, 3, 4, 5] -> {' '.join(map(str, want[0]))}"]
