@@ -173,3 +173,24 @@ def test_deinfer_run_under_torchrun(model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "->" in line]
     assert lines == [f"[1, 2, 3, 4, 5] -> {' '.join(map(str, want[0]))}"]
+
+
+def test_text_prompts_with_a_tokenizer(model, tmp_path):
+    """A checkpoint with tokenizer files takes and returns text."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    spec_path, ckpt, want = model
+    with_tok = tmp_path / "ckpt"
+    shutil.copytree(ckpt, with_tok)
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(48)}, unk_token="t0"))
+    words.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(with_tok)
+    with LLM(spec_path, with_tok, tp=1) as llm:
+        (out,) = llm.generate(["t1 t2 t3 t4 t5"], SamplingParams(max_tokens=MAX_TOKENS))
+    assert out.prompt_token_ids == [1, 2, 3, 4, 5] and out.token_ids == want[0]
+    assert out.text.split() == [f"t{i}" for i in want[0]]
