@@ -35,12 +35,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
     return err <= BF16_TOL, err
 
 
-def kernel_checks(spec_paths: list[Path], dtype: torch.dtype) -> list[dict]:
+def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda") -> list[dict]:
     from codegen.generate import generate, write_atomically
     from runtime.generated import load_generated
 
     out = []
-    dev = "cuda"
     for spec_path in spec_paths:
         with tempfile.TemporaryDirectory() as tmp:
             gen = generate(spec_path.read_text(), spec_path.stem)
