@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from dsl import MODES, build_plan, load_spec
 from dsl.errors import UserError
-from dsl.report import plan_json, plan_table
+from dsl.report import plan_json, plan_table, shards_table
 
 EXIT_USAGE = 2
 
@@ -24,6 +24,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(plan), indent=2))
     else:
         print(plan_table(plan))
+        if args.shards:
+            print(shards_table(plan))
     return 0
 
 
@@ -32,7 +34,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", help="path to a YAML spec")
     p.add_argument("--tp", type=int, default=None, help="TP degree (default: the spec's)")
     p.add_argument("--mode", choices=MODES, default=None, help="only this mode")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (shards included)")
+    p.add_argument(
+        "--shards", action="store_true", help="also list every factor's slice on every rank"
+    )
     p.set_defaults(func=_cmd_plan)
 
 

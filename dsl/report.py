@@ -40,6 +40,7 @@ def mode_summary(mp: ModePlan) -> dict[str, Any]:
             }
             for lp in mp.layer_plans
         ],
+        "shards": shards_json(mp),
         "padding": [
             {
                 "layers": _layer_ranges(lp.layers),
@@ -53,6 +54,63 @@ def mode_summary(mp: ModePlan) -> dict[str, Any]:
             if c.padding
         ],
     }
+
+
+def shards_json(mp: ModePlan) -> list[dict[str, Any]]:
+    """The exact shard of every factor on every rank, per distinct layer shape."""
+    out = []
+    for lp in mp.layer_plans:
+        factors = [
+            {
+                "tensor": f.tensor,
+                "factor": f.factor,
+                "shape": list(f.shape),
+                "split": f.split,
+                "length": f.length,
+                "padded": f.padded,
+                "ranges": [list(r) for r in f.ranges],
+            }
+            for f in lp.factors
+        ]
+        concats = [
+            {
+                "name": c.name,
+                "members": [list(m) for m in c.members],
+                "length": c.length,
+                "padded": c.padded,
+                "ranges": [list(r) for r in c.ranges],
+                "segments": [
+                    [[s.member, s.src_start, s.src_stop, s.dst_start] for s in c.segments(rank)]
+                    for rank in range(mp.tp)
+                ],
+            }
+            for c in lp.concats
+        ]
+        out.append({"layers": _layer_ranges(lp.layers), "factors": factors, "concats": concats})
+    return out
+
+
+def shards_table(plan: Plan) -> str:
+    lines = []
+    for name, mp in plan.modes.items():
+        for group in shards_json(mp):
+            lines.append(f"{name} layers {group['layers']}:")
+            for f in group["factors"]:
+                ranges = " ".join(f"{a}:{b}" for a, b in f["ranges"])
+                pad = (
+                    f" (padded {f['length']} -> {f['padded']})" if f["padded"] > f["length"] else ""
+                )
+                lines.append(f"  {f['tensor']:<12} {f['split']:<10} {ranges}{pad}")
+            for c in group["concats"]:
+                lines.append(
+                    f"  {c['name']}.cat (concat-split of "
+                    + " | ".join(f"{m}:{r}" for m, r in c["members"])
+                    + f", {c['length']} -> {c['padded']})"
+                )
+                for rank, segs in enumerate(c["segments"]):
+                    parts = ", ".join(f"{m}[{a}:{b}]@{d}" for m, a, b, d in segs) or "padding"
+                    lines.append(f"    rank {rank}: {parts}")
+    return "\n".join(lines)
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:

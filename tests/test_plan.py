@@ -330,6 +330,13 @@ def test_cli_plan_json_top_level(capsys):
             "kv_elements_per_token_per_layer_per_rank",
         ):
             assert key in mode
+    shards = data["modes"]["deinfer"]["shards"][0]
+    q_u = next(f for f in shards["factors"] if f["tensor"] == "q.u")
+    assert q_u["ranges"][1] == [1024, 2048] and q_u["split"] == "cols"
+    segments = shards["concats"][0]["segments"]  # 768 columns a rank: q ends in chunk 6
+    assert [[s[0] for s in chunk] for chunk in segments[5:]] == [["q"], ["q", "k"], ["k", "v"]]
+    assert main(["plan", str(SPECS / "tiny-llama.yaml"), "--shards", "--mode", "deinfer"]) == 0
+    assert "rank 1: q[26:27]@0, k[0:13]@1, v[0:11]@14" in capsys.readouterr().out
     assert main(["plan", str(SPECS / "llama3-70b-r40.yaml"), "--mode", "base"]) == 0
     table = capsys.readouterr().out
     assert "167,936" in table and "deinfer" not in table.split("\n")[1]
