@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from codegen.generate import generate, read_spec_text, stale_files, summary_line, write_atomically
+from codegen.generate import generate, stale_files, summary_line, write_atomically
 from dsl import parse_spec
 from dsl.errors import SpecError
+from dsl.load import read_spec_text
 
 
 def add_gen_arguments(p: argparse.ArgumentParser) -> None:

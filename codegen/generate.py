@@ -16,8 +16,6 @@ from codegen.families import down_proj, gemm_fixed, kv_cache, latent_up, layers,
 from codegen.families.context import GenContext
 from codegen.render import KernelFile, render, sha256_text, template_hash
 from dsl import Spec, build_plan, parse_spec
-from dsl.errors import SpecError
-from dsl.load import MAX_SPEC_BYTES
 from dsl.report import plan_json
 from tune.store import CONFIG_ROOT, normalise_device_name
 
@@ -30,18 +28,6 @@ class Generated:
     files: dict[str, str]  # relative path -> content
     kernels: tuple[KernelFile, ...]
     plan: dict[str, Any]
-
-
-def read_spec_text(path: Path) -> str:
-    """The spec's text, with the same file checks as ``dsl.load_spec``."""
-    if not path.is_file():
-        raise SpecError("", f"spec file not found: {path}")
-    if path.stat().st_size > MAX_SPEC_BYTES:
-        raise SpecError("", f"spec file is larger than the {MAX_SPEC_BYTES} bytes allowed")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecError("", f"spec file is not UTF-8 (byte {exc.start})") from None
 
 
 def generate(

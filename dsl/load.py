@@ -97,8 +97,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read, parse and validate the spec at ``path``."""
+def read_spec_text(path: str | Path) -> str:
+    """A spec file's text: it must exist, be at most 1 MiB and be UTF-8."""
     path = Path(path)
     if not path.is_file():
         raise SpecError("", f"spec file not found: {path}")
@@ -106,10 +106,14 @@ def load_spec(path: str | Path) -> Spec:
     if size > MAX_SPEC_BYTES:
         raise SpecError("", f"spec file is {size} bytes, more than the {MAX_SPEC_BYTES} allowed")
     try:
-        text = path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError("", f"spec file is not UTF-8 (byte {exc.start})") from None
-    return parse_spec(text, default_name=path.stem)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read, parse and validate the spec at ``path``."""
+    return parse_spec(read_spec_text(path), default_name=Path(path).stem)
 
 
 def parse_spec(text: str, default_name: str = "spec") -> Spec:

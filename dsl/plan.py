@@ -116,6 +116,10 @@ class ModePlan:
     num_heads: int
     dtype_bytes: int
 
+    def layer_plan(self, ranks: LayerRanks) -> LayerPlan:
+        """The plan of a layer with these ranks (layers of equal ranks share one)."""
+        return next(lp for lp in self.layer_plans if lp.shape == ranks)
+
     def _layer_mean(self, value) -> float:
         return sum(value(lp) * len(lp.layers) for lp in self.layer_plans) / self.num_layers
 

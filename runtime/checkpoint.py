@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from dsl.errors import UserError
 from dsl.spec import ModelConfig, Spec
+from runtime.shard import pad_dim
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -166,25 +167,16 @@ class CheckpointReader:
         if len(shape) == 1:
             lo, hi = rows or (0, shape[0])
             t = sl[min(lo, shape[0]) : min(hi, shape[0])]
-            t = _pad(t, 0, hi - lo)
+            t = pad_dim(t, 0, hi - lo)
         else:
             r0, r1 = rows or (0, shape[0])
             c0, c1 = cols or (0, shape[1])
             t = sl[min(r0, shape[0]) : min(r1, shape[0]), min(c0, shape[1]) : min(c1, shape[1])]
-            t = _pad(_pad(t, 0, r1 - r0), 1, c1 - c0)
+            t = pad_dim(pad_dim(t, 0, r1 - r0), 1, c1 - c0)
         t = t.float()
         if not torch.isfinite(t).all():
             raise CheckpointError(f"tensor {name} contains NaN or Inf")
         return t
-
-
-def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def validate(reader: CheckpointReader, spec: Spec) -> None:

@@ -157,10 +157,7 @@ class LLM:
         from dsl import build_plan
 
         plan = build_plan(self.spec).modes[mode]
-        plans = [
-            next(p for p in plan.layer_plans if p.shape == r)
-            for r in self.spec.decomposition.layers
-        ]
+        plans = [plan.layer_plan(r) for r in self.spec.decomposition.layers]
         kinds = [layer_cache_kind(lp, kv) for lp in plans]
         rt = self.spec.runtime
         per_block = bytes_per_block(

@@ -40,7 +40,7 @@ class TPModel(nn.Module):
         layer_class = LAYER_CLASSES[mode_plan.mode]
         layers = []
         for index, ranks in enumerate(spec.decomposition.layers):
-            lp = next(p for p in mode_plan.layer_plans if p.shape == ranks)
+            lp = mode_plan.layer_plan(ranks)
             setup = LayerSetup(
                 model=m,
                 plan=lp,

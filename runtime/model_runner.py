@@ -67,10 +67,7 @@ class ModelRunner:
         self.model = TPModel(
             spec, mode_plan, rank, self.comm, self.registry, config.backend, weights
         ).to(self.device)
-        self.layer_plans = [
-            next(p for p in mode_plan.layer_plans if p.shape == ranks)
-            for ranks in spec.decomposition.layers
-        ]
+        self.layer_plans = [mode_plan.layer_plan(r) for r in spec.decomposition.layers]
         self.kinds = [layer_cache_kind(lp, config.kv_cache) for lp in self.layer_plans]
         rt, m = spec.runtime, spec.model
         self.block_size = rt.block_size

@@ -24,16 +24,21 @@ class FactorSource(Protocol):
         ...
 
 
+def pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` extended with zeros along ``dim`` to ``length`` (the plan's padding)."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def slice_padded(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
-    """t[start:stop] along ``dim``, zero rows past t's length (the plan's padding)."""
+    """t[start:stop] along ``dim``, zero rows past t's length."""
     n = t.shape[dim]
     part = t.narrow(dim, min(start, n), max(0, min(stop, n) - min(start, n)))
-    missing = (stop - start) - part.shape[dim]
-    if missing:
-        shape = list(t.shape)
-        shape[dim] = missing
-        part = torch.cat([part, t.new_zeros(shape)], dim=dim)
-    return part.contiguous()
+    return pad_dim(part, dim, stop - start).contiguous()
 
 
 class DictSource:

@@ -76,7 +76,7 @@ def load_rank_weights(
     final_norm = {p: reader.read(f"{names.final_norm}.{p}") for p in norm_parts}
     layers = []
     for index, ranks in enumerate(spec.decomposition.layers):
-        lp = next(p for p in mode_plan.layer_plans if p.shape == ranks)
+        lp = mode_plan.layer_plan(ranks)
         local = shard_layer(lp, CheckpointSource(reader, names, index, ranks), rank)
         for norm in ("input_norm", "post_norm"):
             for p in norm_parts:

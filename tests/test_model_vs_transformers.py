@@ -108,7 +108,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
         # The comm counter's per-block elements equal the plan's, exactly.
         expected = {}
         for layer in spec.decomposition.layers:
-            lp = next(p for p in plan.modes[mode].layer_plans if p.shape == layer)
+            lp = plan.modes[mode].layer_plan(layer)
             for c in lp.collectives:
                 expected[c.kind] = expected.get(c.kind, 0) + c.elements * tokens
         blocks = {k: v for k, v in elements.items() if ":" not in k}

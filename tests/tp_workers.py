@@ -54,7 +54,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
         )
         h = x.clone()
         for index, layer_ranks in enumerate(spec.decomposition.layers):
-            lp = next(p for p in plan.modes[mode].layer_plans if p.shape == layer_ranks)
+            lp = plan.modes[mode].layer_plan(layer_ranks)
             full = full_layers[index][mode]
             weights = shard_layer(lp, DictSource(full), rank)
             weights.update({k: v for k, v in full.items() if "norm" in k})

@@ -39,7 +39,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 def run_tune(args: argparse.Namespace) -> int:
     import torch
 
-    from codegen.generate import generate, read_spec_text, write_atomically
+    from codegen.generate import generate, write_atomically
+    from dsl.load import read_spec_text
     from tune.tuner import jobs_from_manifest, tune
 
     path = Path(args.spec)
