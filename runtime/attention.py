@@ -1,12 +1,11 @@
-"""Prefill attention over a packed batch of sequences (no cache): causal within each
-sequence. The paged decode path uses the generated paged-attention kernel."""
+"""Prefill attention over a packed batch of whole sequences (no cache): causal within
+each sequence, GQA without repeating K/V."""
 
 from __future__ import annotations
 
 import itertools
 
-import torch
-import torch.nn.functional as F
+from runtime.eager_attention import causal_attention
 
 
 def packed_causal_attention(cu_seqlens: list[int]):
@@ -14,14 +13,12 @@ def packed_causal_attention(cu_seqlens: list[int]):
     cu_seqlens[i]:cu_seqlens[i+1] of q, k, v."""
 
     def attention(index, q, k, v, latent):
-        group = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
+        scale = q.shape[-1] ** -0.5
         for start, stop in itertools.pairwise(cu_seqlens):
-            qs = q[start:stop].transpose(0, 1).float()
-            ks = k[start:stop].repeat_interleave(group, dim=1).transpose(0, 1).float()
-            vs = v[start:stop].repeat_interleave(group, dim=1).transpose(0, 1).float()
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            out[start:stop] = o.transpose(0, 1).to(q.dtype)
+            out[start:stop] = causal_attention(
+                q[start:stop], k[start:stop], v[start:stop], 0, scale
+            )
         return out
 
     return attention

@@ -1,9 +1,12 @@
 """``deinfer bench``: throughput, serving and per-block breakdown, side by side.
 
-Every configuration (mode × KV cache × tp × compression ratio) gets one engine, kept
-alive for the whole run; repetitions are interleaved across configurations (rep 1 of
-all, then rep 2 of all, ...) after a warm-up, so slow drifts of the machine hit every
-configuration alike. Checkpoints have random factors of the spec's shapes.
+Every configuration (mode × KV cache × tp × compression ratio × max_seq_len) gets one
+engine, kept alive for the whole run, and is measured at each decode batch; with ``hf``,
+transformers ``generate`` on the same weights runs beside them. Repetitions are
+interleaved across everything (rep 1 of all, then rep 2 of all, ...) after a warm-up,
+so slow drifts of the machine hit every row alike. Checkpoints have random factors of
+the spec's shapes. Each row is also set against the weight-streaming floor: the bytes a
+decode step must read over the memory bandwidth the bench measures.
 """
 
 from __future__ import annotations
@@ -24,113 +27,37 @@ import torch
 import yaml
 
 from dsl import build_plan, parse_spec
+from runtime.bench_baseline import hf_throughput, memory_bandwidth
+from runtime.bench_config import PRESETS, BenchConfig, preset
 from runtime.engine import LLM
+from runtime.model_runner import default_path, default_threads
 from runtime.random_checkpoint import write_random_checkpoint
 from runtime.sequence import SamplingParams
 
-
-@dataclass(frozen=True)
-class BenchConfig:
-    spec: str
-    modes: tuple[str, ...] = ("deinfer", "base", "dense")
-    kv_caches: tuple[str, ...] = ("dense",)
-    tps: tuple[int, ...] = (2, 4)
-    ratios: tuple[float, ...] = ()  # compression ratios; () keeps the spec's ranks
-    num_requests: int = 8
-    prompt_len: int = 16
-    output_len: int = 16
-    max_batch: int = 8
-    request_rate: float = float("inf")  # serving: requests/s (Poisson); inf: all at once
-    serving_requests: int = 8
-    breakdown_steps: int = 4
-    reps: int = 3
-    backend: str | None = None
-    overlap: bool = True  # ring all-gather overlapped with the up-projection
-    seed: int = 0
-
-
-# The paper's settings (§5.2, §5.3) scaled to a 2-core CPU: batch 512 / 32 prompt / max
-# 160 and batch 64 / 64 prompt / max 512 become 16 / 8 / 40 and 4 / 16 / 128 (requests
-# and lengths divided by 32 and 4: same prompt:output ratios, minutes instead of hours);
-# serving (128 prompts, 32 in, 256 out) becomes 8 prompts, 8 in, 32 out.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Smaller than the target model so that all of it runs in under 3 minutes on 2 cores.
-    "cpu-smoke": {
-        "spec": "specs/cpu-smoke.yaml",
-        "tps": (2, 4),
-        "num_requests": 4,
-        "prompt_len": 8,
-        "output_len": 8,
-        "max_batch": 4,
-        "serving_requests": 4,
-        "breakdown_steps": 2,
-        "reps": 3,
-    },
-    # The issue's target measurement: hidden 2048, 8 layers, 40% ranks, tp 2 and 4.
-    "cpu-target": {
-        "spec": "specs/cpu-demo.yaml",
-        "tps": (2, 4),
-        "num_requests": 8,
-        "prompt_len": 8,
-        "output_len": 16,
-        "max_batch": 8,
-        "serving_requests": 4,
-        "breakdown_steps": 4,
-        "reps": 3,
-    },
-    "paper-high-load-cpu": {
-        "spec": "specs/cpu-demo.yaml",
-        "num_requests": 16,
-        "prompt_len": 8,
-        "output_len": 32,
-        "max_batch": 16,
-        "serving_requests": 8,
-    },
-    "paper-mild-load-cpu": {
-        "spec": "specs/cpu-demo.yaml",
-        "num_requests": 4,
-        "prompt_len": 16,
-        "output_len": 112,
-        "max_batch": 4,
-        "serving_requests": 4,
-    },
-    "paper-serving-cpu": {
-        "spec": "specs/cpu-demo.yaml",
-        "serving_requests": 8,
-        "prompt_len": 8,
-        "output_len": 32,
-        "request_rate": 2.0,
-        "num_requests": 8,
-    },
-    "paper-scaling-cpu": {
-        "spec": "specs/cpu-demo.yaml",
-        "ratios": (0.2, 0.4, 0.6),
-        "tps": (4,),
-        "modes": ("deinfer", "base"),
-        "num_requests": 8,
-        "prompt_len": 8,
-        "output_len": 16,
-    },
-}
-
-
-def preset(name: str, **overrides: Any) -> BenchConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; one of {', '.join(PRESETS)}")
-    return replace(BenchConfig(**PRESETS[name]), **overrides)
+__all__ = ["PRESETS", "BenchConfig", "preset", "run_bench"]
 
 
 @dataclass(frozen=True)
 class Variant:
-    mode: str
+    mode: str  # deinfer | base | dense | hf (transformers generate)
     kv_cache: str
     tp: int
     ratio: float | None
+    batch: int | None = None  # None: num_requests, max_batch at a time
+    max_seq_len: int | None = None  # None: prompt + output
 
     @property
     def label(self) -> str:
+        kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
-        return f"{self.mode} kv={self.kv_cache} tp{self.tp}{ratio}"
+        batch = "" if self.batch is None else f" b{self.batch}"
+        length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}"
+
+    @property
+    def engine(self) -> tuple:
+        """Rows that differ only in batch share one engine."""
+        return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len)
 
 
 def machine() -> dict[str, Any]:
@@ -154,15 +81,23 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _spec_text(base: str, tp: int, ratio: float | None, cfg: BenchConfig) -> str:
+def _max_batch(cfg: BenchConfig) -> int:
+    return max((*cfg.batches, cfg.max_batch, 1))
+
+
+def _spec_text(base: str, v: Variant, cfg: BenchConfig) -> str:
     raw = yaml.safe_load(base)
-    raw.setdefault("parallel", {})["tp"] = tp
-    if ratio is not None:
-        raw["decomposition"] = {"ratio": ratio, "rule": "smaller_dim_fraction", "rank_multiple": 2}
+    raw.setdefault("parallel", {})["tp"] = v.tp
+    if v.ratio is not None:
+        raw["decomposition"] = {
+            "ratio": v.ratio,
+            "rule": "smaller_dim_fraction",
+            "rank_multiple": 2,
+        }
     rt = raw.setdefault("runtime", {})
-    rt["max_batch_size"] = max(cfg.max_batch, 1)
-    rt["max_seq_len"] = cfg.prompt_len + cfg.output_len
-    rt["cuda_graph_batch_sizes"] = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_batch]
+    rt["max_batch_size"] = _max_batch(cfg)
+    rt["max_seq_len"] = v.max_seq_len or cfg.prompt_len + cfg.output_len
+    rt["cuda_graph_batch_sizes"] = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= _max_batch(cfg)]
     return yaml.safe_dump(raw, sort_keys=False)
 
 
@@ -179,8 +114,10 @@ def _prompts(cfg: BenchConfig, n: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(n)]
 
 
-def throughput_run(llm: LLM, cfg: BenchConfig, vocab: int) -> dict[str, float]:
-    prompts = _prompts(cfg, cfg.num_requests, vocab, cfg.seed)
+def throughput_run(
+    llm: LLM, cfg: BenchConfig, vocab: int, batch: int | None = None
+) -> dict[str, float]:
+    prompts = _prompts(cfg, batch or cfg.num_requests, vocab, cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -278,8 +215,7 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
     }
 
 
-def planned_elements(spec_text: str, mode: str) -> dict[str, float]:
-    spec = parse_spec(spec_text)
+def planned_elements(spec, mode: str) -> dict[str, float]:
     mp = build_plan(spec).modes[mode]
     out: dict[str, float] = {}
     for lp in mp.layer_plans:
@@ -288,98 +224,172 @@ def planned_elements(spec_text: str, mode: str) -> dict[str, float]:
     return out
 
 
-def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    base_text = Path(cfg.spec).read_text()
-    variants = [
-        Variant(m, kv, tp, r)
+def variants_of(cfg: BenchConfig) -> list[Variant]:
+    batches = cfg.batches or (None,)
+    lengths = cfg.max_seq_lens or (None,)
+    rows = [
+        Variant(m, kv, tp, r, b, n)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
+        for n in lengths
         for m in cfg.modes
         for kv in cfg.kv_caches
+        for b in batches
         if not (kv == "latent" and m != "deinfer")
     ]
+    if cfg.hf:
+        rows += [Variant("hf", "-", 1, r, b) for r in (cfg.ratios or (None,)) for b in batches]
+    return rows
+
+
+class _Models:
+    """Spec files and random checkpoints in a temporary folder, one checkpoint per ratio."""
+
+    def __init__(self, cfg: BenchConfig, folder: Path) -> None:
+        self.cfg, self.folder = cfg, folder
+        self.base_text = Path(cfg.spec).read_text()
+        self.checkpoints: dict[float | None, Path] = {}
+
+    def spec(self, v: Variant) -> Path:
+        text = _spec_text(self.base_text, v, self.cfg)
+        path = self.folder / f"spec-{abs(hash(text))}.yaml"
+        path.write_text(text)
+        if v.ratio not in self.checkpoints:
+            ckpt = self.folder / f"checkpoint-{len(self.checkpoints)}"
+            spec = parse_spec(text, default_name=Path(self.cfg.spec).stem)
+            write_random_checkpoint(spec, ckpt, self.cfg.seed)
+            self.checkpoints[v.ratio] = ckpt
+        return path
+
+
+def _start(v: Variant, models: _Models, cfg: BenchConfig):
+    spec_path = models.spec(v)
+    ckpt = models.checkpoints[v.ratio]
+    spec = parse_spec(spec_path.read_text(), default_name=Path(cfg.spec).stem)
+    if v.mode == "hf":
+        from runtime.hf_reference import load_transformers
+
+        return load_transformers(spec, ckpt), spec
+    blocks = _max_batch(cfg) * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size)
+    llm = LLM(
+        spec_path,
+        ckpt,
+        mode=v.mode,
+        kv_cache=v.kv_cache,
+        backend=cfg.backend,
+        num_blocks=blocks + 1,
+        overlap=cfg.overlap,
+        path=cfg.path,
+        threads=cfg.threads,
+    )
+    return llm, spec
+
+
+def _threads(cfg: BenchConfig, tp: int) -> int:
+    return cfg.threads or default_threads(tp)
+
+
+def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
+    """One throughput run (and a serving run for engines), at the row's thread count."""
+    if v.mode == "hf":
+        torch.set_num_threads(_threads(cfg, 1))
+        prompts = _prompts(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
+        return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
+    if v.tp == 1:  # this process is the rank: other rows may have changed its threads
+        engine.workers.call("threads", _threads(cfg, 1))
+    out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
+    if cfg.serving:
+        out["serving"] = serving_run(engine, cfg, vocab)
+    return out
+
+
+def _streamed_bytes(v: Variant, engine) -> int:
+    if v.mode != "hf":
+        return engine.workers.call("streamed_weight_bytes")[0]
+    named = engine.named_parameters(remove_duplicate=False)
+    return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    note = progress or (lambda message: None)
+    variants = variants_of(cfg)
     tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
-    engines: dict[Variant, tuple[LLM, str]] = {}
+    engines: dict[tuple, Any] = {}
+    specs: dict[tuple, Any] = {}
+    cores = default_threads(1)
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
+    results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
+    results["machine"]["bandwidth_threads"] = cores
     try:
-        made: dict[tuple, tuple[Path, Path]] = {}  # (ratio, tp) -> (spec, checkpoint)
+        models = _Models(cfg, Path(tmp.name))
         for v in variants:
-            text = _spec_text(base_text, v.tp, v.ratio, cfg)
-            spec = parse_spec(text, default_name=Path(cfg.spec).stem)
-            if (v.ratio, v.tp) not in made:
-                folder = Path(tmp.name) / f"model-{len(made)}"
-                folder.mkdir()
-                (folder / "spec.yaml").write_text(text)
-                write_random_checkpoint(spec, folder / "checkpoint", cfg.seed)
-                made[(v.ratio, v.tp)] = (folder / "spec.yaml", folder / "checkpoint")
-            spec_path, ckpt = made[(v.ratio, v.tp)]
-            if progress:
-                progress(f"start {v.label}")
-            blocks = (
-                cfg.max_batch * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size) + 1
-            )
-            common = {
-                "mode": v.mode,
-                "kv_cache": v.kv_cache,
-                "backend": cfg.backend,
-                "num_blocks": blocks,
-                "overlap": cfg.overlap,
-            }
-            engines[v] = (LLM(spec_path, ckpt, **common), text)
-        vocab = parse_spec(base_text).model.vocab_size
-        layers = parse_spec(base_text).model.num_layers
-        for llm, _ in engines.values():  # warm-up, excluded
-            throughput_run(llm, replace(cfg, num_requests=1, output_len=2), vocab)
-        raw: dict[Variant, dict[str, list]] = {
-            v: {"throughput": [], "serving": []} for v in engines
-        }
+            if v.engine not in engines:
+                note(f"start {v.label}")
+                engines[v.engine], specs[v.engine] = _start(v, models, cfg)
+        vocab = parse_spec(models.base_text).model.vocab_size
+        for v in variants:  # warm-up, excluded
+            short = replace(cfg, num_requests=1, output_len=2, serving=False)
+            _measure(replace(v, batch=1), engines[v.engine], short, vocab)
+        raw: dict[Variant, list[dict[str, Any]]] = {v: [] for v in variants}
         for rep in range(cfg.reps):
-            for v, (llm, _) in engines.items():
-                if progress:
-                    progress(f"rep {rep + 1}/{cfg.reps} {v.label}")
-                raw[v]["throughput"].append(throughput_run(llm, cfg, vocab))
-                raw[v]["serving"].append(serving_run(llm, cfg, vocab))
-        for v, (llm, text) in engines.items():
-            if progress:
-                progress(f"breakdown {v.label}")
-            llm.workers.call("set_comm_stats", "timed")
-            results["variants"].append(
-                {
-                    **asdict(v),
-                    "label": v.label,
-                    "throughput": raw[v]["throughput"],
-                    "serving": raw[v]["serving"],
-                    "breakdown": breakdown_run(llm, cfg, vocab, layers),
-                    "planned_elements_per_token_per_block": planned_elements(text, v.mode),
-                }
-            )
+            for v in variants:
+                note(f"rep {rep + 1}/{cfg.reps} {v.label}")
+                raw[v].append(_measure(v, engines[v.engine], cfg, vocab))
+        for v in variants:
+            results["variants"].append(_row(v, raw[v], engines[v.engine], specs[v.engine], cfg))
     finally:
-        for llm, _ in engines.values():
-            llm.close()
+        for key, engine in engines.items():
+            if key[0] != "hf":
+                engine.close()
         tmp.cleanup()
     add_ratios(results)
     return results
 
 
+def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
+    row = {
+        **asdict(v),
+        "label": v.label,
+        "threads_per_rank": _threads(cfg, v.tp),
+        "path": None if v.mode == "hf" else cfg.path or default_path(),
+        "throughput": [r["throughput"] for r in runs],
+        "serving": [r["serving"] for r in runs if "serving" in r],
+        "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
+    }
+    if v.mode != "hf" and cfg.breakdown:
+        engine.workers.call("set_comm_stats", "timed")
+        row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
+        row["planned_elements_per_token_per_block"] = planned_elements(spec, v.mode)
+    return row
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def add_ratios(results: dict[str, Any]) -> None:
-    """min/median/max over repetitions and the ratio of each median to base's."""
+    """min/median/max over repetitions; each median's ratio to base (same tp, ratio,
+    batch and length), to transformers (same ratio and batch) and to the weight-streaming
+    floor: batch / (tp · streamed bytes per rank / memory bandwidth), since the ranks
+    share the memory bus."""
+    cfg = results["config"]
+    bandwidth = results["machine"].get("memory_bandwidth_bytes_per_s")
     medians: dict[tuple, float] = {}
     for var in results["variants"]:
-        xs = [r["decode_tokens_per_s"] for r in var["throughput"]]
-        var["decode_tokens_per_s"] = {
-            "min": min(xs),
-            "median": statistics.median(xs),
-            "max": max(xs),
-        }
-        ys = [r["output_tokens_per_s"] for r in var["throughput"]]
-        var["output_tokens_per_s"] = {
-            "min": min(ys),
-            "median": statistics.median(ys),
-            "max": max(ys),
-        }
-        medians[(var["mode"], var["kv_cache"], var["tp"], var["ratio"])] = statistics.median(xs)
+        var["decode_tokens_per_s"] = _spread([r["decode_tokens_per_s"] for r in var["throughput"]])
+        var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
+        key = (var["mode"], var["kv_cache"], var["tp"], var["ratio"], var["batch"])
+        medians[(*key, var["max_seq_len"])] = var["decode_tokens_per_s"]["median"]
     for var in results["variants"]:
-        base = medians.get(("base", "dense", var["tp"], var["ratio"]))
-        var["decode_speedup_vs_base"] = (
-            var["decode_tokens_per_s"]["median"] / base if base else None
-        )
+        median = var["decode_tokens_per_s"]["median"]
+        at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"])
+        base = medians.get(("base", "dense", *at))
+        hf = medians.get(("hf", "-", 1, var["ratio"], var["batch"], None))
+        var["decode_speedup_vs_base"] = median / base if base else None
+        var["decode_speedup_vs_hf"] = median / hf if hf else None
+        batch = var["batch"] or min(cfg["num_requests"], cfg["max_batch"])
+        streamed = var.get("streamed_weight_bytes_per_rank")
+        if bandwidth and streamed:
+            floor_step = var["tp"] * streamed / bandwidth
+            var["floor_decode_tokens_per_s"] = batch / floor_step
+            var["fraction_of_floor"] = median / var["floor_decode_tokens_per_s"]

@@ -6,37 +6,73 @@ from pathlib import Path
 from typing import Any
 
 
+def _x(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _serving_cells(v: dict[str, Any]) -> str:
+    if not v.get("serving"):
+        return "– | –"
+    serving = v["serving"][len(v["serving"]) // 2]
+    return (
+        f"{serving['ttft_ms']['median']:.0f} | {serving['itl_ms']['median']:.1f} / "
+        f"{serving['itl_ms']['p99']:.1f}"
+    )
+
+
+def _breakdown_cells(v: dict[str, Any]) -> str:
+    br = v.get("breakdown")
+    if br is None:
+        return "– | – | –"
+    measured = br["elements_per_token_per_block"]
+    planned = v["planned_elements_per_token_per_block"]
+    same = all(abs(measured.get(k, 0) - planned[k]) < 1e-9 for k in planned)
+    elements = ", ".join(f"{k.replace('all_', '')} {measured.get(k, 0):,.0f}" for k in planned)
+    return (
+        f"{br['block_ms_per_step']['communication']:.2f} | "
+        f"{br['block_ms_per_step']['compute_and_overhead']:.2f} | "
+        f"{elements or 'none'} ({'=' if same else '≠'} plan)"
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     cfg = results["config"]
+    bandwidth = m.get("memory_bandwidth_bytes_per_s")
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
-        f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['num_requests']} requests × "
-        f"{cfg['prompt_len']} prompt + {cfg['output_len']} output tokens, {cfg['reps']} "
-        "interleaved repetitions after a warm-up.",
+        f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['prompt_len']} prompt + "
+        f"{cfg['output_len']} output tokens per request, {cfg['reps']} interleaved repetitions "
+        "after a warm-up."
+        + (
+            f" Memory bandwidth measured by the bench: {bandwidth / 1e9:.1f} GB/s "
+            f"({m['bandwidth_threads']} threads)."
+            if bandwidth
+            else ""
+        ),
         "",
-        "| config | decode tok/s (min / median / max) | vs base | output tok/s | "
-        "TTFT ms (median) | ITL ms (median / p99) | block comm ms | block rest ms | "
-        "elements/token/block (measured = plan) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| config | threads/rank | decode tok/s (min / median / max) | vs base | vs hf | "
+        "of floor | output tok/s | TTFT ms (median) | ITL ms (median / p99) | block comm ms | "
+        "block rest ms | elements/token/block (measured = plan) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for v in results["variants"]:
         d = v["decode_tokens_per_s"]
-        speed = v["decode_speedup_vs_base"]
-        serving = v["serving"][len(v["serving"]) // 2]
-        br = v["breakdown"]
-        measured = br["elements_per_token_per_block"]
-        planned = v["planned_elements_per_token_per_block"]
-        same = all(abs(measured.get(k, 0) - planned[k]) < 1e-9 for k in planned)
-        elements = ", ".join(f"{k.replace('all_', '')} {measured.get(k, 0):,.0f}" for k in planned)
+        floor = v.get("fraction_of_floor")
         lines.append(
-            f"| {v['label']} | {d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
-            f"{'' if speed is None else f'{speed:.2f}x'} | {v['output_tokens_per_s']['median']:.1f}"
-            f" | {serving['ttft_ms']['median']:.0f} | {serving['itl_ms']['median']:.1f} / "
-            f"{serving['itl_ms']['p99']:.1f} | {br['block_ms_per_step']['communication']:.2f} | "
-            f"{br['block_ms_per_step']['compute_and_overhead']:.2f} | {elements} "
-            f"({'=' if same else '≠'} plan) |"
+            f"| {v['label']} | {v.get('threads_per_rank', '')} | "
+            f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
+            f"{_x(v['decode_speedup_vs_base'])} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            f"{'' if floor is None else f'{floor:.0%}'} | "
+            f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
+            f"{_breakdown_cells(v)} |"
         )
+    lines += [
+        "",
+        "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
+        " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
+        "(products D·U), same prompts and lengths, EOS ignored.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -50,7 +86,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[str, list[tuple[int, float]]] = {}
     for v in results["variants"]:
-        name = f"{v['mode']} kv={v['kv_cache']}" + ("" if v["ratio"] is None else f" r{v['ratio']}")
+        name = v["label"].replace(f" tp{v['tp']}", "")
         series.setdefault(name, []).append((v["tp"], v["decode_tokens_per_s"]["median"]))
     for name, points in sorted(series.items()):
         points.sort()
@@ -67,11 +103,12 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     written.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [v["label"] for v in results["variants"]]
-    comm = [v["breakdown"]["block_ms_per_step"]["communication"] for v in results["variants"]]
-    rest = [
-        v["breakdown"]["block_ms_per_step"]["compute_and_overhead"] for v in results["variants"]
-    ]
+    broken = [v for v in results["variants"] if "breakdown" in v]
+    if not broken:
+        return written
+    labels = [v["label"] for v in broken]
+    comm = [v["breakdown"]["block_ms_per_step"]["communication"] for v in broken]
+    rest = [v["breakdown"]["block_ms_per_step"]["compute_and_overhead"] for v in broken]
     ax.bar(labels, rest, label="compute + overhead")
     ax.bar(labels, comm, bottom=rest, label="communication")
     ax.set_ylabel("ms per block per decode step")

@@ -27,6 +27,17 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=float, default=None, help="requests/s; inf: at once")
     p.add_argument("--backend", choices=("triton", "torch"), default=None)
     p.add_argument(
+        "--path",
+        choices=("static", "dynamic"),
+        default=None,
+        help="execution path (default: static on a GPU, dynamic on a CPU)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
+    p.add_argument("--batches", type=_ints, default=None, help="decode batches, e.g. 1,16")
+    p.add_argument(
+        "--hf", action="store_true", help="add transformers generate on the same weights"
+    )
+    p.add_argument(
         "--no-overlap",
         action="store_true",
         help="one all-gather instead of the ring overlapped with the up GEMM",
@@ -52,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "kv_caches": tuple(args.kv_caches.split(",")) if args.kv_caches else None,
         "ratios": tuple(float(x) for x in args.ratios.split(",")) if args.ratios else None,
+        "path": args.path,
+        "threads": args.threads,
+        "batches": args.batches,
+        "hf": True if args.hf else None,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:

@@ -28,8 +28,16 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         "--backend",
         choices=("triton", "torch"),
         default=None,
-        help="default: triton on a GPU, torch on a CPU",
+        help="static path's kernels; default: triton on a GPU, torch on a CPU",
     )
+    p.add_argument(
+        "--path",
+        choices=("static", "dynamic"),
+        default=None,
+        help="static: fixed buffers and CUDA graphs (default on a GPU); dynamic: shapes follow "
+        "the batch, plain torch (default on a CPU)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -56,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode,
         kv_cache=args.kv_cache,
         backend=args.backend,
+        path=args.path,
+        threads=args.threads,
     ) as llm:
         print(
             f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "
-            f"backend {llm.backend}",
+            f"{llm.describe_path()}",
             file=sys.stderr,
             flush=True,
         )

@@ -27,7 +27,15 @@ from dsl.plan import MODES
 from runtime.block_manager import BlockManager
 from runtime.kv_cache import bytes_per_block, layer_cache_kind
 from runtime.launcher import LocalWorker, WorkerGroup, init_from_env, under_torchrun
-from runtime.model_runner import DTYPES, ModelRunner, RunnerConfig, SeqInput
+from runtime.model_runner import (
+    DTYPES,
+    PATHS,
+    ModelRunner,
+    RunnerConfig,
+    SeqInput,
+    default_path,
+    default_threads,
+)
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import SamplingParams, Sequence, Status
 
@@ -88,12 +96,17 @@ class LLM:
         timeout_s: float = 600.0,
         comm_stats: str = "off",
         overlap: bool = True,
+        path: str | None = None,
+        threads: int | None = None,
+        prefill_chunk: int = 512,
     ) -> None:
-        path = Path(spec)
-        text = _spec_for_tp(path.read_text(), tp)
-        self.spec = parse_spec(text, default_name=path.stem)
+        spec_path = Path(spec)
+        text = _spec_for_tp(spec_path.read_text(), tp)
+        self.spec = parse_spec(text, default_name=spec_path.stem)
         if mode not in MODES:
             raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
+        if path is not None and path not in PATHS:
+            raise UserError(f"path must be one of {', '.join(PATHS)}, found {path!r}")
         kv = kv_cache or self.spec.runtime.kv_cache
         if kv == "latent" and mode != "deinfer":
             raise UserError(
@@ -101,7 +114,7 @@ class LLM:
             )
         self.backend = backend or ("triton" if torch.cuda.is_available() else "torch")
         self._tmp = tempfile.TemporaryDirectory(prefix="deinfer-gen-")
-        folder = self._generated_folder(text, path.stem, Path(generated_root))
+        folder = self._generated_folder(text, spec_path.stem, Path(generated_root))
         rt = self.spec.runtime
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(kv, mode, kv_memory_bytes)
@@ -114,6 +127,8 @@ class LLM:
             ),
             self.blocks,
         )
+        self.path = path or default_path()
+        self.threads = threads or default_threads(self.spec.parallel.tp)
         config = RunnerConfig(
             spec_text=text,
             generated=str(folder),
@@ -125,6 +140,9 @@ class LLM:
             cuda_graphs=cuda_graphs,
             comm_stats=comm_stats,
             overlap=overlap,
+            path=self.path,
+            threads=self.threads,
+            prefill_chunk=prefill_chunk,
         )
         tp_size = self.spec.parallel.tp
         init = (_run_runner, (config,))
@@ -142,6 +160,11 @@ class LLM:
             self.workers = WorkerGroup(tp_size, timeout_s=timeout_s, init=init)
         self.tokenizer = self._tokenizer(Path(checkpoint))
         self._next_id = 0
+
+    def describe_path(self) -> str:
+        """e.g. "dynamic path (eager kernels), 2 threads per rank"."""
+        kernels = "eager" if self.path == "dynamic" else self.backend
+        return f"{self.path} path ({kernels} kernels), {self.threads} threads per rank"
 
     def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
         """The committed generated/<name> when it is current for this spec, else a fresh one."""

@@ -1,7 +1,9 @@
 """The kernel registry that generated code fills in, and backend selection.
 
-Every generated kernel module exposes its launcher (the Triton kernel) and
-``torch_reference`` with the same signature; ``backend`` picks one."""
+Every generated kernel module exposes three implementations with one signature:
+its launcher (the Triton kernel), ``torch_reference`` (plain torch, graph-safe at the
+static shapes: the test oracle) and ``torch_eager`` (plain torch that reads counts on the
+host and works on the real rows only: the CPU path); ``backend`` picks one."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "eager")
+IMPLEMENTATIONS = {"torch": "torch_reference", "eager": "torch_eager"}
 
 
 def nearest_bucket(buckets, rows: int) -> int:
@@ -50,8 +53,11 @@ class KernelRegistry:
         return table[key]
 
     def get(self, family: str, key, backend: str) -> Callable:
-        """The launcher (``triton``) or its plain-torch reference (``torch``)."""
+        """The launcher (``triton``), its plain-torch reference (``torch``) or the
+        real-shape torch version (``eager``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
         mod = self.module(family, key)
-        return getattr(mod, LAUNCHERS[family]) if backend == "triton" else mod.torch_reference
+        if backend == "triton":
+            return getattr(mod, LAUNCHERS[family])
+        return getattr(mod, IMPLEMENTATIONS[backend])

@@ -8,6 +8,7 @@ from torch import nn
 
 from dsl.plan import ModePlan
 from dsl.spec import Spec
+from runtime import eager
 from runtime.comm import Comm
 from runtime.kernels import KernelRegistry
 from runtime.layers import LAYER_CLASSES, Batch, LayerSetup
@@ -31,6 +32,8 @@ class TPModel(nn.Module):
     ) -> None:
         super().__init__()
         self.spec, self.comm, self.rank = spec, comm, rank
+        self.backend = backend
+        self.matmul = eager.matmul if backend == "eager" else torch.matmul
         m = spec.model
         freqs = inv_freq(m.positions, m.head_dim) if m.positions.kind == "rope" else None
         self.register_buffer("embed", weights.embed, persistent=False)
@@ -54,6 +57,11 @@ class TPModel(nn.Module):
             layers.append(layer_class(setup, index, weights.layers[index]))
         self.layers = nn.ModuleList(layers)
 
+    def prepare_eager(self) -> None:
+        """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in])."""
+        for layer in self.layers:
+            layer.prepare_eager()
+
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary rows; an all-reduce sums them."""
         rows = self.embed.shape[0]
@@ -67,14 +75,15 @@ class TPModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         m = self.spec.model
-        h = apply_norm(
+        norm = eager.normalize if self.backend == "eager" else apply_norm
+        h = norm(
             hidden,
             self.final_norm["weight"],
             self.final_norm.get("bias"),
             norm=m.norm.kind,
             eps=m.norm.eps,
         ).to(hidden.dtype)
-        local = h @ self.lm_head.t()
+        local = self.matmul(h, self.lm_head.t())
         return self.comm.all_gather_columns(local, tag="logits")[:, : m.vocab_size]
 
     def forward(

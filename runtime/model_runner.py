@@ -1,26 +1,50 @@
-"""One rank's model runner: weights, paged KV cache, prefill and a decode step that
-only touches fixed buffers (captured as CUDA graphs per batch-size bucket on a GPU,
-run eagerly on a CPU)."""
+"""One rank's model runner: weights, paged KV cache, chunked prefill and decode on one
+of two paths. ``static`` (GPU): fixed buffers per batch-size bucket, captured as CUDA
+graphs (``runtime.static_decode``). ``dynamic`` (CPU): every shape follows the batch,
+work proportional to the tokens that exist (``runtime.eager_attention``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from dsl import build_plan, parse_spec
-from runtime.attention import packed_causal_attention
 from runtime.comm import Comm
+from runtime.eager import rope_tables
+from runtime.eager_attention import (
+    CacheContext,
+    LatentFactors,
+    cache_context,
+    causal_attention,
+    decode_dense,
+    decode_latent,
+    gather,
+)
 from runtime.generated import load_generated
-from runtime.kv_cache import LayerCache, allocate, layer_cache_kind, plan_compaction
+from runtime.kv_cache import LayerCache, allocate, layer_cache_kind
 from runtime.layers import Batch
 from runtime.model import TPModel
-from runtime.reference import apply_norm
-from runtime.sampling import make_generator, sample_row
+from runtime.sampling import make_generator, sample
 from runtime.sequence import SamplingParams
+from runtime.static_decode import StaticDecoder, StaticShapes
 from runtime.weights import load_rank_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PATHS = ("static", "dynamic")
+
+
+def default_path() -> str:
+    """Static (graph-safe, CUDA graphs) on a GPU; dynamic on a CPU, where host
+    synchronisation is free and fixed shapes only waste work."""
+    return "static" if torch.cuda.is_available() else "dynamic"
+
+
+def default_threads(tp: int) -> int:
+    """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // tp)
 
 
 @dataclass(frozen=True)
@@ -29,12 +53,17 @@ class RunnerConfig:
     generated: str  # generated folder for that spec
     checkpoint: str
     mode: str
-    backend: str  # "triton" | "torch"
+    backend: str  # static path: "triton" | "torch"; the dynamic path always runs "eager"
     kv_cache: str  # dense | latent | auto
     num_blocks: int
     cuda_graphs: bool = True
     comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
     overlap: bool = True  # ring all-gather overlapped with the up-projection
+    path: str = "static"  # static | dynamic
+    threads: int | None = None  # intra-op threads of this rank; None leaves torch's setting
+    # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
+    # model compute-bound here, and bound activations to O(512 · hidden) per layer.
+    prefill_chunk: int = 512
 
 
 @dataclass(frozen=True)
@@ -48,8 +77,39 @@ class SeqInput:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Tokens start..stop-1 of sequence ``seq`` of a prefill batch."""
+
+    seq: int
+    start: int
+    stop: int
+
+
+def prefill_chunks(lengths: list[int], chunk: int) -> list[list[Piece]]:
+    """Pack the prompts, in order, into forwards of at most ``chunk`` tokens; a prompt
+    that does not fit continues in the next forward."""
+    chunks: list[list[Piece]] = [[]]
+    room = chunk
+    for seq, length in enumerate(lengths):
+        start = 0
+        while start < length:
+            if room == 0:
+                chunks.append([])
+                room = chunk
+            stop = min(length, start + room)
+            chunks[-1].append(Piece(seq, start, stop))
+            room -= stop - start
+            start = stop
+    return chunks
+
+
 class ModelRunner:
     def __init__(self, rank: int, world: int, config: RunnerConfig) -> None:
+        if config.path not in PATHS:
+            raise ValueError(f"path must be one of {', '.join(PATHS)}, found {config.path!r}")
+        if config.threads:
+            torch.set_num_threads(config.threads)
         self.rank, self.config = rank, config
         spec = parse_spec(config.spec_text)
         self.spec = spec
@@ -64,13 +124,18 @@ class ModelRunner:
         self.comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
         self.comm.overlap = config.overlap
         weights = load_rank_weights(config.checkpoint, spec, mode_plan, rank, dtype)
-        self.model = TPModel(
-            spec, mode_plan, rank, self.comm, self.registry, config.backend, weights
-        ).to(self.device)
+        backend = config.backend if config.path == "static" else "eager"
+        self.model = TPModel(spec, mode_plan, rank, self.comm, self.registry, backend, weights).to(
+            self.device
+        )
+        if config.path == "dynamic":
+            self.model.prepare_eager()
         self.layer_plans = [mode_plan.layer_plan(r) for r in spec.decomposition.layers]
         self.kinds = [layer_cache_kind(lp, config.kv_cache) for lp in self.layer_plans]
         rt, m = spec.runtime, spec.model
         self.block_size = rt.block_size
+        self.scale = m.head_dim**-0.5
+        self.inv_freq = self.model.layers[0].s.inv_freq
         self.caches: list[LayerCache] = allocate(
             self.layer_plans,
             self.kinds,
@@ -80,53 +145,40 @@ class ModelRunner:
             dtype,
             self.device,
         )
-        self.scratch_slot = config.num_blocks * rt.block_size  # the extra last block
-        self.max_blocks = -(-rt.max_seq_len // rt.block_size)
-        self.buckets = sorted(rt.cuda_graph_batch_sizes) or [rt.max_batch_size]
-        self.max_rows = max(rt.max_batch_size, self.buckets[-1])
-        self.generators: dict[int, torch.Generator] = {}
-        self._static_buffers(dtype)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if config.cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs()
-
-    # --- buffers -------------------------------------------------------------------
-
-    def _static_buffers(self, dtype: torch.dtype) -> None:
-        rows, dev = self.max_rows, self.device
-        i32 = {"dtype": torch.int32, "device": dev}
-        self.input_ids = torch.zeros(rows, **i32)
-        self.positions = torch.zeros(rows, **i32)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(rows, self.max_blocks, **i32)
-        self.seq_lens = torch.zeros(rows, **i32)
-        self.n_tokens = torch.zeros(1, **i32)
-        self.latent_widths = sorted(
-            {
-                lp.kv_latent_per_rank
-                for lp, kind in zip(self.layer_plans, self.kinds, strict=True)
-                if kind == "latent"
-            }
-        )
-        if not self.latent_widths:
-            return
-        # Compact buffer: at most one compact block per pool block (a batch never holds
-        # more distinct blocks than the pool), and at most rows · max_blocks.
-        self.max_compact = min(rows * self.max_blocks, self.config.num_blocks + 1)
-        self.copy_list = torch.zeros(self.max_compact, 3, **i32)
-        self.num_runs = torch.zeros(1, **i32)
-        self.remap = torch.zeros(rows, self.max_blocks, **i32)
-        self.compact_positions = torch.zeros(self.max_compact * self.block_size, **i32)
-        self.n_rows = torch.zeros(1, **i32)
-        self.compact = {
-            w: torch.zeros(self.max_compact, self.block_size, w, dtype=dtype, device=dev)
-            for w in self.latent_widths
+        self.latent_factors = {
+            i: self._latent_factors(i) for i, kind in enumerate(self.kinds) if kind == "latent"
         }
-        kv_width = max(lp.kv_dense_per_rank // 2 for lp in self.layer_plans)
-        self.k_rows = torch.zeros(
-            self.max_compact * self.block_size, kv_width, dtype=dtype, device=dev
+        self.generators: dict[int, torch.Generator] = {}
+        self.static: StaticDecoder | None = None
+        if config.path == "static":
+            buckets = tuple(sorted(rt.cuda_graph_batch_sizes) or [rt.max_batch_size])
+            shapes = StaticShapes(
+                rows=max(rt.max_batch_size, buckets[-1]),
+                max_blocks=-(-rt.max_seq_len // rt.block_size),
+                block_size=rt.block_size,
+                num_blocks=config.num_blocks,
+                buckets=buckets,
+            )
+            widths = sorted({self.layer_plans[i].kv_latent_per_rank for i in self.latent_factors})
+            self.static = StaticDecoder(self.model, self.caches, widths, shapes, backend)
+            if config.cuda_graphs and self.device.type == "cuda":
+                self.static.capture_graphs(self.comm)
+
+    def _latent_factors(self, index: int) -> LatentFactors:
+        layer, m = self.model.layers[index], self.spec.model
+        u_k = layer.w("k.u")
+        return LatentFactors(
+            r_k=u_k.shape[0],
+            kv_heads=u_k.shape[1] // m.head_dim,
+            head_dim=m.head_dim,
+            u_k=u_k,
+            u_v=layer.w("v.u").contiguous(),
+            bias_k=layer.w("k.bias"),
+            bias_v=layer.w("v.bias"),
+            k_norm=layer.w("k_norm.weight") if m.qk_norm else None,
+            eps=m.norm.eps,
+            rope_style=m.positions.style if m.positions.kind == "rope" else "neox",
         )
-        self.v_rows = torch.zeros_like(self.k_rows)
 
     # --- prefill ---------------------------------------------------------------------
 
@@ -135,170 +187,119 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqInput]) -> list[int]:
-        ids, positions, slots, cu = [], [], [], [0]
-        for s in seqs:
-            ids += s.tokens
-            positions += list(range(s.length))
-            slots += [self._slot(s.block_table, p) for p in range(s.length)]
-            cu.append(cu[-1] + s.length)
+        """Whole prompts, batched, in chunks of at most ``prefill_chunk`` tokens; a chunk
+        that continues a prompt attends to the part already in the cache."""
+        last_hidden: dict[int, torch.Tensor] = {}
+        for chunk in prefill_chunks([s.length for s in seqs], self.config.prefill_chunk):
+            hidden = self._prefill_chunk(seqs, chunk)
+            row = 0
+            for piece in chunk:
+                row += piece.stop - piece.start
+                if piece.stop == seqs[piece.seq].length:
+                    last_hidden[piece.seq] = hidden[row - 1]
+        rows = torch.stack([last_hidden[i] for i in range(len(seqs))])
+        return self._sample(seqs, self.model.logits(rows))
+
+    def _prefill_chunk(self, seqs: list[SeqInput], chunk: list[Piece]) -> torch.Tensor:
+        ids, positions, slots = [], [], []
+        for piece in chunk:
+            s = seqs[piece.seq]
+            ids += s.tokens[piece.start : piece.stop]
+            positions += range(piece.start, piece.stop)
+            slots += [self._slot(s.block_table, p) for p in range(piece.start, piece.stop)]
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        causal = packed_causal_attention(cu)
-
-        def attention(index, q, k, v, latent):
-            self.caches[index].write(slot_t, k, v, latent)
-            return causal(index, q, k, v, latent)
-
         pos_t = torch.tensor(positions, dtype=torch.int32, device=dev)
-        batch = Batch(
-            positions=pos_t,
-            n_valid=torch.tensor([len(ids)], dtype=torch.int32, device=dev),
-            attention=attention,
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int32, device=dev), pos_t, batch)
-        logits = self.model.logits(hidden[torch.tensor(cu[1:], device=dev) - 1])
-        return self._sample(seqs, logits)
-
-    # --- decode ----------------------------------------------------------------------
-
-    def bucket_for(self, batch: int) -> int:
-        """The smallest graph bucket that holds the batch; above the largest, the batch."""
-        return next((b for b in self.buckets if b >= batch), batch)
-
-    @torch.inference_mode()
-    def decode(self, seqs: list[SeqInput]) -> list[int]:
-        batch = len(seqs)
-        bucket = self.bucket_for(batch)
-        if bucket > self.max_rows:
-            raise ValueError(f"decode batch {batch} exceeds max_batch_size {self.max_rows}")
-        self.prepare_decode(seqs, bucket)
-        if bucket in self.graphs:
-            graph, logits = self.graphs[bucket]
-            graph.replay()
-        else:
-            logits = self.decode_step(bucket)
-        return self._sample(seqs, logits[:batch])
-
-    def prepare_decode(self, seqs: list[SeqInput], bucket: int) -> None:
-        """Host side: fill the static buffers (padded rows write to the scratch block and
-        attend to nothing) and, for latent layers, the compaction plan."""
-        batch = len(seqs)
-        ids = [s.tokens[-1] for s in seqs] + [0] * (bucket - batch)
-        pos = [s.length - 1 for s in seqs] + [0] * (bucket - batch)
-        slots = [self._slot(s.block_table, s.length - 1) for s in seqs]
-        slots += [self.scratch_slot] * (bucket - batch)
-        tables = torch.zeros(bucket, self.max_blocks, dtype=torch.int32)
-        for b, s in enumerate(seqs):
-            tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        lens = [s.length for s in seqs] + [0] * (bucket - batch)
-        self.input_ids[:bucket].copy_(torch.tensor(ids, dtype=torch.int32))
-        self.positions[:bucket].copy_(torch.tensor(pos, dtype=torch.int32))
-        self.slots[:bucket].copy_(torch.tensor(slots, dtype=torch.long))
-        self.block_tables[:bucket].copy_(tables)
-        self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32))
-        self.n_tokens.fill_(batch)
-        if self.latent_widths:
-            plan = plan_compaction(
-                [s.block_table for s in seqs],
-                [s.length for s in seqs],
+        contexts = {
+            i: cache_context(
+                [seqs[p.seq].block_table],
+                [p.stop],
                 self.block_size,
-                self.max_blocks,
-                self.max_compact,
-                bucket,
+                self.inv_freq,
+                dev,
+                self.spec.model.positions.style,
             )
-            self.copy_list.copy_(plan.copy_list)
-            self.num_runs.copy_(plan.num_runs)
-            self.remap[:bucket].copy_(plan.remap)
-            self.compact_positions.copy_(plan.positions)
-            self.n_rows.copy_(plan.n_rows)
-
-    def decode_step(self, bucket: int) -> torch.Tensor:
-        """The graph-safe step: fixed shapes for a bucket, every count read from device
-        memory, no host synchronisation."""
-        positions = self.positions[:bucket]
-        batch = Batch(
-            positions=positions, n_valid=self.n_tokens, attention=self._decode_attention(bucket)
-        )
-        hidden = self.model(self.input_ids[:bucket], positions, batch)
-        return self.model.logits(hidden)
-
-    def _decode_attention(self, bucket: int):
-        backend = self.config.backend
+            for i, p in enumerate(chunk)
+            if p.start
+        }
 
         def attention(index, q, k, v, latent):
             cache = self.caches[index]
-            cache.write(self.slots[:bucket], k, v, latent)
-            out = torch.empty_like(q)
-            if cache.kind == "dense":
-                kernel = self.registry.get("paged_attention", (q.shape[1], k.shape[1]), backend)
-                return kernel(
-                    q, cache.k, cache.v, self.block_tables[:bucket], self.seq_lens[:bucket], out
-                )
-            k_cache, v_cache = self._reconstruct(index, k.shape[1])
-            kernel = self.registry.get("paged_attention", (q.shape[1], k.shape[1]), backend)
-            return kernel(q, k_cache, v_cache, self.remap[:bucket], self.seq_lens[:bucket], out)
+            cache.write(slot_t, k, v, latent)
+            out, row = torch.empty_like(q), 0
+            for i, p in enumerate(chunk):
+                rows = slice(row, row + p.stop - p.start)
+                row = rows.stop
+                if i in contexts:  # keys 0..stop-1 from the cache, this chunk's included
+                    k_ctx, v_ctx = self._cached_kv(index, contexts[i])
+                else:
+                    k_ctx, v_ctx = k[rows], v[rows]
+                out[rows] = causal_attention(q[rows], k_ctx, v_ctx, p.start, self.scale)
+            return out
 
-        return attention
+        n = torch.tensor([len(ids)], dtype=torch.int32, device=dev)
+        batch = Batch(pos_t, n, attention, self._rope_angles(pos_t))
+        return self.model(torch.tensor(ids, dtype=torch.int32, device=dev), pos_t, batch)
 
-    def _reconstruct(self, index: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the batch's latent blocks into the compact buffer, rebuild K and V with the
-        fixed-size GEMM (cost follows the valid rows), q/k norm and RoPE K in place."""
-        backend, lp = self.config.backend, self.layer_plans[index]
-        layer, cache = self.model.layers[index], self.caches[index]
-        width, r_k = lp.kv_latent_per_rank, lp.shape.rank("k")
-        d = self.spec.model.head_dim
-        compact = self.compact[width]
-        self.registry.get("kv_copy", width, backend)(
-            cache.latent, compact, self.copy_list, self.num_runs
+    def _cached_kv(self, index: int, ctx: CacheContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [L, kv_heads, head_dim] of one sequence's cached tokens."""
+        cache, slots = self.caches[index], ctx.slots[0]
+        if cache.kind == "dense":
+            return gather(cache.k, slots), gather(cache.v, slots)
+        f = self.latent_factors[index]
+        z = gather(cache.latent, slots)
+        return f.keys(z[:, : f.r_k], ctx.cos, ctx.sin), f.values(z[:, f.r_k :])
+
+    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.static is not None or self.inv_freq is None:
+            return None
+        return rope_tables(positions, self.inv_freq, self.spec.model.positions.style)
+
+    # --- decode ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[SeqInput]) -> list[int]:
+        if self.static is not None:
+            return self._sample(seqs, self.static.decode(seqs, self._slot))
+        return self._sample(seqs, self._decode_dynamic(seqs))
+
+    def _decode_dynamic(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """One decode step at the batch's real shapes (the CPU path)."""
+        dev = self.device
+        ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int32, device=dev)
+        pos = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int32, device=dev)
+        slots = torch.tensor(
+            [self._slot(s.block_table, s.length - 1) for s in seqs], dtype=torch.long, device=dev
         )
-        rows = compact.view(-1, width)
-        k_rows = self.k_rows[:, : kv_heads * d]
-        v_rows = self.v_rows[:, : kv_heads * d]
-        for out, name, part in ((k_rows, "k", rows[:, :r_k]), (v_rows, "v", rows[:, r_k:])):
-            u = layer.w(f"{name}.u")
-            self.registry.get("gemm", tuple(u.shape), backend)(part, u, out, self.n_rows)
-            bias = layer.w(f"{name}.bias")
-            if bias is not None:
-                out.add_(bias)
-        keys = k_rows.view(-1, kv_heads, d)
-        if self.spec.model.qk_norm:
-            keys.copy_(
-                apply_norm(
-                    keys, layer.w("k_norm.weight"), None, norm="rms", eps=self.spec.model.norm.eps
-                ).to(keys.dtype)
-            )
-        if layer.s.inv_freq is not None:
-            self.registry.get("rope", kv_heads, backend)(
-                keys, self.compact_positions, layer.s.inv_freq, self.n_rows
-            )
-        shape = (self.max_compact, self.block_size, kv_heads, d)
-        return keys.view(shape), v_rows.view(shape)
+        ctx = cache_context(
+            [s.block_table for s in seqs],
+            [s.length for s in seqs],
+            self.block_size,
+            self.inv_freq,
+            dev,
+            self.spec.model.positions.style,
+        )
 
-    def capture_graphs(self) -> None:
-        """CUDA graphs per batch-size bucket (GPU only); the ring all-gather is replaced by
-        one all-gather inside graphs."""
-        self.comm.overlap = False
-        self.slots.fill_(self.scratch_slot)  # warm-up and capture write to the scratch block
-        pool = None
-        for bucket in reversed(self.buckets):
-            self.n_tokens.fill_(bucket)
-            self.decode_step(bucket)  # warm up: compile kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.decode_step(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
-        torch.cuda.synchronize()
+        def attention(index, q, k, v, latent):
+            cache = self.caches[index]
+            cache.write(slots, k, v, latent)
+            if cache.kind == "dense":
+                return decode_dense(q, cache, ctx, self.scale)
+            return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
+
+        n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
+        batch = Batch(pos, n, attention, self._rope_angles(pos))
+        return self.model.logits(self.model(ids, pos, batch))
 
     # --- sampling ----------------------------------------------------------------------
 
     def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> list[int]:
-        tokens = []
-        for s, row in zip(seqs, logits, strict=True):
-            g = self.generators.setdefault(s.id, make_generator(s.params, s.id))
-            tokens.append(sample_row(row, s.params, g))
-        return tokens
+        generators = []
+        for s in seqs:
+            if s.params.temperature > 0 and s.id not in self.generators:
+                self.generators[s.id] = make_generator(s.params, s.id)
+            generators.append(self.generators.get(s.id))
+        return sample(logits, [s.params for s in seqs], generators)
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
@@ -313,6 +314,19 @@ class ModelRunner:
         out = {k: (v.calls, v.elements, v.seconds) for k, v in self.comm.stats.by_kind.items()}
         self.comm.stats.by_kind.clear()
         return out
+
+    def streamed_weight_bytes(self) -> int:
+        """Bytes a decode step must read: every layer's weights, the final norm and the
+        LM head (the embedding is only looked up)."""
+        tensors = [*self.model.layers.buffers(), *self.model.final_norm.values()]
+        tensors.append(self.model.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def threads(self, count: int | None = None) -> int:
+        """Set (when given) and return this rank's intra-op threads."""
+        if count:
+            torch.set_num_threads(count)
+        return torch.get_num_threads()
 
     def step(self, seqs: list[SeqInput], is_prefill: bool) -> list[int]:
         return self.prefill(seqs) if is_prefill else self.decode(seqs)

@@ -1,5 +1,8 @@
-"""Token sampling: greedy, or temperature with top-k / top-p from a per-request seeded
-generator, so that seeded sampling is deterministic (and identical on every rank)."""
+"""Token sampling for a whole batch at once: greedy rows by one argmax, sampled rows
+(temperature, top-k, top-p) by one sort and one cumulative sum. Each request owns a
+seeded generator that draws its one uniform number per step, so seeded sampling is
+deterministic, independent of the other requests in the batch and identical on every
+rank."""
 
 from __future__ import annotations
 
@@ -14,20 +17,37 @@ def make_generator(params: SamplingParams, request_id: int) -> torch.Generator:
     return g
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """One token per row of logits [B, V]; ``generators[i]`` may be None for greedy rows."""
     logits = logits.float().cpu()
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < params.top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        picked = _sample_rows(
+            logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
+        )
+        tokens[rows] = picked
+    return tokens.tolist()
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    top_k = torch.tensor([p.top_k or vocab for p in params])[:, None]
+    top_p = torch.tensor([p.top_p for p in params])[:, None]
+    ordered, order = torch.sort(logits / temperature, dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    ordered = ordered.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
+    probs = probs.masked_fill((before >= top_p) & (ranks > 0), 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)
+    return order.gather(1, index)[:, 0]

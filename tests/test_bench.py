@@ -59,13 +59,60 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
         measured = v["breakdown"]["elements_per_token_per_block"]
         planned = v["planned_elements_per_token_per_block"]
         assert measured == pytest.approx(planned, rel=1e-12), v["label"]
-        if v["mode"] == "base":
-            assert v["decode_speedup_vs_base"] == 1.0
+        base = next(b for b in results["variants"] if b["mode"] == "base" and b["tp"] == v["tp"])
+        want = d["median"] / base["decode_tokens_per_s"]["median"]
+        assert v["decode_speedup_vs_base"] == pytest.approx(want)
     table = markdown(results)
     assert table.count("(= plan)") == len(results["variants"])
     files = plots(results, tmp_path)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
     json.dumps(results)
+
+
+def test_bench_against_transformers_and_the_floor(tmp_path):
+    """The hf row runs transformers on the same weights; every row is set against it and
+    against the weight-streaming floor, at each batch and max_seq_len."""
+    cfg = BenchConfig(
+        spec=str(SPECS / "tiny-llama.yaml"),
+        tps=(1,),
+        modes=("dense", "deinfer"),
+        batches=(1, 2),
+        max_seq_lens=(16, 64),
+        prompt_len=4,
+        output_len=4,
+        hf=True,
+        threads=1,
+        serving=False,
+        breakdown=False,
+        reps=2,
+    )
+    results = run_bench(cfg)
+    rows = {v["label"]: v for v in results["variants"]}
+    assert set(rows) == {
+        f"{m} kv=dense tp1 b{b} len{n}"
+        for m in ("dense", "deinfer")
+        for b in (1, 2)
+        for n in (16, 64)
+    } | {"hf tp1 b1", "hf tp1 b2"}
+    bandwidth = results["machine"]["memory_bandwidth_bytes_per_s"]
+    assert bandwidth > 0
+    for v in rows.values():
+        assert v["threads_per_rank"] == 1 and len(v["throughput"]) == 2
+        hf = rows[f"hf tp1 b{v['batch']}"]["decode_tokens_per_s"]["median"]
+        median = v["decode_tokens_per_s"]["median"]
+        assert v["decode_speedup_vs_hf"] == pytest.approx(median / hf)
+        floor = v["batch"] * bandwidth / v["streamed_weight_bytes_per_rank"]
+        assert v["fraction_of_floor"] == pytest.approx(median / floor)
+    # Dense mode at tp 1 streams exactly the weights transformers holds (the products).
+    dense, hf = rows["dense kv=dense tp1 b1 len16"], rows["hf tp1 b1"]
+    assert dense["streamed_weight_bytes_per_rank"] == hf["streamed_weight_bytes_per_rank"]
+    assert (
+        rows["deinfer kv=dense tp1 b1 len16"]["streamed_weight_bytes_per_rank"]
+        != (hf["streamed_weight_bytes_per_rank"])
+    )
+    assert dense["path"] == "dynamic"
+    table = markdown(results)
+    assert "| hf tp1 b2 |" in table and "GB/s" in table
 
 
 def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monkeypatch):

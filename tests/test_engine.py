@@ -1,6 +1,8 @@
 """End to end: the engine's greedy generation equals transformers' generate token for
 token on a random tiny decomposed model (fp32), at tp 1 and 2, in modes deinfer (dense
-and latent KV cache) and base; also with preemption and with requests arriving late."""
+and latent KV cache), base and dense, on both execution paths (static: the graph-safe
+GPU path; dynamic: the CPU path), so the paths also agree with each other; also with
+chunked prefill, with preemption and with requests arriving late."""
 
 from __future__ import annotations
 
@@ -52,24 +54,38 @@ def model(tmp_path_factory):
     return spec_path, ckpt, want
 
 
+@pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize(
     "tp,mode,kv",
     [
         (1, "deinfer", "dense"),
         (1, "deinfer", "latent"),
         (1, "base", "dense"),
+        (1, "dense", "dense"),
         (2, "deinfer", "dense"),
         (2, "deinfer", "latent"),
         (2, "base", "dense"),
+        (2, "dense", "dense"),
     ],
 )
-def test_greedy_equals_transformers(model, tp, mode, kv):
+def test_greedy_equals_transformers(model, tp, mode, kv, path):
     spec_path, ckpt, want = model
     backend = "triton" if (tp, kv) == (2, "latent") else "torch"
-    with LLM(spec_path, ckpt, tp=tp, mode=mode, kv_cache=kv, backend=backend) as llm:
+    with LLM(spec_path, ckpt, tp=tp, mode=mode, kv_cache=kv, backend=backend, path=path) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)
+
+
+@pytest.mark.parametrize("path", ["static", "dynamic"])
+@pytest.mark.parametrize("kv", ["dense", "latent"])
+def test_chunked_prefill(model, kv, path):
+    """Prompts split over forwards of 3 tokens (a chunk attends to the cached part of its
+    prompt, from a dense or a latent cache) give the same tokens."""
+    spec_path, ckpt, want = model
+    with LLM(spec_path, ckpt, tp=1, kv_cache=kv, path=path, prefill_chunk=3) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
 
 
 @pytest.mark.parametrize("tp", [1, 2])

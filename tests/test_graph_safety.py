@@ -80,10 +80,11 @@ def test_decode_step_trace_is_static_and_sync_free(runner_factory, kv):
         [SeqInput(0, [9], 6, [3, 7], params), SeqInput(1, [9], 3, [0], params)],
         [SeqInput(0, [9], 9, [3, 7, 9], params), SeqInput(1, [9], 4, [0], params)],
     ):
-        bucket = runner.bucket_for(len(step_seqs))
-        runner.prepare_decode(step_seqs, bucket)  # host side, outside the graph
+        static = runner.static
+        bucket = static.bucket_for(len(step_seqs))
+        static.prepare(step_seqs, bucket, runner._slot)  # host side, outside the graph
         with Trace() as trace:
-            runner.decode_step(bucket)
+            static.step(bucket)
         traces.append(trace.ops)
     assert traces[0] == traces[1], "decode step trace depends on sequence lengths"
     names = {name.split(".")[0] for name, _ in traces[0]}
