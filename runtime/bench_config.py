@@ -51,6 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "serving_requests": 4,
         "breakdown_steps": 2,
         "reps": 3,
+        "hf": True,
     },
     # The target measurement: hidden 2048, 8 layers, 40% ranks, tp 2 and 4.
     "cpu-target": {
@@ -63,6 +64,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "serving_requests": 4,
         "breakdown_steps": 4,
         "reps": 3,
+        "hf": True,
     },
     # The CPU path against transformers on a 135M Llama (the shape of SmolLM2-135M) at
     # full rank: batch 1 and 16, and the step time with a 16x longer max_seq_len.

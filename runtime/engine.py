@@ -164,7 +164,8 @@ class LLM:
     def describe_path(self) -> str:
         """e.g. "dynamic path (eager kernels), 2 threads per rank"."""
         kernels = "eager" if self.path == "dynamic" else self.backend
-        return f"{self.path} path ({kernels} kernels), {self.threads} threads per rank"
+        threads = f"{self.threads} thread{'' if self.threads == 1 else 's'} per rank"
+        return f"{self.path} path ({kernels} kernels), {threads}"
 
     def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
         """The committed generated/<name> when it is current for this spec, else a fresh one."""
