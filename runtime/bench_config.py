@@ -80,11 +80,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "serving": False,
         "breakdown": False,
     },
-    # Latent vs dense KV cache at context 256, batch 8 (deinfer mode, tp 1).
+    # Latent vs dense KV cache at context 256, batch 8 (deinfer mode, tp 1), at full rank
+    # and at the paper's 40%.
     "cpu-latent": {
         "spec": "specs/cpu-135m.yaml",
         "modes": ("deinfer",),
         "kv_caches": ("dense", "latent"),
+        "ratios": (0.0, 0.4),
         "tps": (1,),
         "batches": (8,),
         "prompt_len": 240,

@@ -20,7 +20,17 @@ from tests.tp_workers import run_model
 
 # fp32 everywhere; the sharded sums and the SVD products reorder additions.
 TOL = 1e-4
-RUNS = (("deinfer", "triton"), ("deinfer", "torch"), ("base", "torch"), ("dense", "torch"))
+# (mode, backend): "eager" is the dynamic (CPU) path's backend, with its weight layout
+# ([out, in] storage, fused q|k|v and gate|up in dense mode).
+RUNS = (
+    ("deinfer", "triton"),
+    ("deinfer", "torch"),
+    ("base", "torch"),
+    ("dense", "torch"),
+    ("deinfer", "eager"),
+    ("base", "eager"),
+    ("dense", "eager"),
+)
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,8 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         comm = Comm(count=True)
         weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)
         model = TPModel(spec, plan.modes[mode], rank, comm, registry, backend, weights)
+        if backend == "eager":
+            model.prepare_eager()
         batch = Batch(
             positions=positions,
             n_valid=torch.tensor([len(ids)], dtype=torch.int32),
