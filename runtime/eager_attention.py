@@ -32,6 +32,12 @@ class CacheContext:
     cos: torch.Tensor | None
     sin: torch.Tensor | None
 
+    @property
+    def mask_bias(self) -> torch.Tensor:
+        """[B, L]: 0 where a key is valid, -inf past a sequence's length."""
+        zeros = torch.zeros(self.valid.shape, device=self.valid.device)
+        return zeros.masked_fill_(~self.valid, float("-inf"))
+
 
 def cache_context(
     block_tables: list[list[int]],
@@ -86,6 +92,29 @@ class LatentFactors:
             k = rotate(k, cos[:, None, :], sin[:, None, :], self.rope_style).to(zk.dtype)
         return k
 
+    def keys_transposed(
+        self, zk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> torch.Tensor:
+        """zk [B, L, r_k] -> post-RoPE keys [B, kv_heads, head_dim, L], the layout the
+        scores' batched matmul reads without a copy. Built as Uᵀ·zkᵀ per sequence, RoPE
+        along head_dim with the transposed tables: fewer passes over the keys than
+        rebuilding [B, L, ...] and permuting (decode with a latent cache is bound by them)."""
+        batch, length, _ = zk.shape
+        kt = torch.matmul(self.u_k.t().contiguous(), zk.transpose(1, 2))  # [B, KV·D, L]
+        if self.bias_k is not None:
+            kt = kt + self.bias_k[:, None]
+        kt = kt.view(batch, self.kv_heads, self.head_dim, length)
+        if self.k_norm is not None:
+            inv = torch.rsqrt(kt.float().pow(2).mean(-2, keepdim=True) + self.eps)
+            kt = (kt * inv * self.k_norm.float()[:, None]).to(zk.dtype)
+        if cos is None:
+            return kt
+        if self.rope_style == "neox":
+            rotated = kt.roll(self.head_dim // 2, -2)
+        else:
+            rotated = kt.unflatten(-2, (-1, 2)).flip(-2).flatten(-3, -2)
+        return rotated.mul_(sin.t()).addcmul_(kt, cos.t())
+
     def values(self, zv: torch.Tensor) -> torch.Tensor:
         v = zv @ self.u_v
         if self.bias_v is not None:
@@ -113,13 +142,15 @@ def decode_latent(
 ) -> torch.Tensor:
     """q [B, H, D] against keys rebuilt from the batch's cached latents; V absorbed."""
     batch, heads, d = q.shape
-    z = gather(cache.latent, ctx.slots)  # [B, L, r_k + r_v]
-    keys = f.keys(z[..., : f.r_k], ctx.cos, ctx.sin)  # [B, L, KV, D]
-    qg = q.reshape(batch, f.kv_heads, heads // f.kv_heads, d)
-    scores = (qg @ keys.permute(0, 2, 3, 1)).float() * scale  # [B, KV, G, L]
-    scores = scores.masked_fill(~ctx.valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(z.dtype).reshape(batch, heads, -1)
-    pz = probs @ z[..., f.r_k :]  # [B, H, r_v]
+    rows = cache.latent.view(-1, cache.latent.shape[-1])
+    index, length = ctx.slots.flatten(), ctx.slots.shape[1]
+    zk = rows[:, : f.r_k].index_select(0, index).view(batch, length, -1)
+    zv = rows[:, f.r_k :].index_select(0, index).view(batch, length, -1)
+    keys_t = f.keys_transposed(zk, ctx.cos, ctx.sin)  # [B, KV, D, L]
+    qg = (q * scale).reshape(batch, f.kv_heads, heads // f.kv_heads, d)
+    scores = (qg @ keys_t).float().add_(ctx.mask_bias[:, None, None, :])  # [B, KV, G, L]
+    probs = torch.softmax(scores, dim=-1).to(zv.dtype).reshape(batch, heads, length)
+    pz = probs @ zv  # [B, H, r_v]
     u_v = f.u_v.view(-1, f.kv_heads, d)
     out = torch.einsum("bkgr,rkd->bkgd", pz.view(batch, f.kv_heads, -1, pz.shape[-1]), u_v)
     if f.bias_v is not None:
