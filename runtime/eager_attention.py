@@ -29,14 +29,9 @@ class CacheContext:
 
     slots: torch.Tensor
     valid: torch.Tensor
+    mask_bias: torch.Tensor  # [B, L]: 0 where valid, -inf past a sequence's length
     cos: torch.Tensor | None
     sin: torch.Tensor | None
-
-    @property
-    def mask_bias(self) -> torch.Tensor:
-        """[B, L]: 0 where a key is valid, -inf past a sequence's length."""
-        zeros = torch.zeros(self.valid.shape, device=self.valid.device)
-        return zeros.masked_fill_(~self.valid, float("-inf"))
 
 
 def cache_context(
@@ -61,7 +56,8 @@ def cache_context(
     cos = sin = None
     if inv_freq is not None:
         cos, sin = rope_tables(positions.to(device), inv_freq, rope_style)
-    return CacheContext(slots.to(device), valid.to(device), cos, sin)
+    bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    return CacheContext(slots.to(device), valid.to(device), bias.to(device), cos, sin)
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,10 @@ class DecoderLayer(nn.Module):
             t = self.w(name)
             if t.dim() == 2:
                 setattr(self, name.replace(".", "__"), t.t().contiguous().t())
-        if hasattr(self, "fuse_columns"):
-            self.fuse_columns()
+        self.fuse_columns()
+
+    def fuse_columns(self) -> None:
+        """Modes whose column projections share an input multiply them as one GEMM."""
 
     def w(self, name: str) -> torch.Tensor | None:
         return getattr(self, name.replace(".", "__")) if name in self.names else None
