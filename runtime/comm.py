@@ -52,6 +52,10 @@ class Comm:
         self.timed = timed
         # Ring all-gather overlapped with compute; off inside CUDA graphs (one all-gather).
         self.overlap = True
+        # Same-host ranks on a CPU: all-reduces that fit go through shared memory
+        # (``runtime.shm_allreduce``); the rest, and every other collective, through
+        # torch.distributed.
+        self.shm = None
         self.stats = CommStats()
 
     def _start(self) -> float:
@@ -74,7 +78,10 @@ class Comm:
         """Sum over ranks, in place."""
         start = self._start()
         if self.world > 1:
-            dist.all_reduce(tensor, group=self.group)
+            if self.shm is not None and self.shm.fits(tensor):
+                self.shm.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
         self._done("all_reduce", tensor.numel(), start, tag)
         return tensor
 

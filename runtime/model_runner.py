@@ -28,6 +28,8 @@ from runtime.layers import Batch
 from runtime.model import TPModel
 from runtime.sampling import make_generator, sample
 from runtime.sequence import SamplingParams
+from runtime.shm_allreduce import SharedMemoryAllReduce
+from runtime.shm_allreduce import available as shm_available
 from runtime.static_decode import StaticDecoder, StaticShapes
 from runtime.weights import load_rank_weights
 
@@ -64,6 +66,9 @@ class RunnerConfig:
     # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
     # model compute-bound here, and bound activations to O(512 · hidden) per layer.
     prefill_chunk: int = 512
+    # CPU ranks on one host all-reduce through shared memory (tensors up to 4 MB, decode
+    # sizes; larger ones through gloo).
+    shm_allreduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,13 @@ class ModelRunner:
         self.registry = load_generated(config.generated).KERNELS
         self.comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
         self.comm.overlap = config.overlap
+        if (
+            config.shm_allreduce
+            and world > 1
+            and self.device.type == "cpu"
+            and shm_available(world)
+        ):
+            self.comm.shm = SharedMemoryAllReduce(rank, world, capacity=4 << 20)
         weights = load_rank_weights(config.checkpoint, spec, mode_plan, rank, dtype)
         backend = config.backend if config.path == "static" else "eager"
         self.model = TPModel(spec, mode_plan, rank, self.comm, self.registry, backend, weights).to(

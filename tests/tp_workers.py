@@ -133,3 +133,30 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         logits = model.logits(model(ids, positions, batch))
         results[(mode, backend)] = (logits, {k: s.elements for k, s in comm.stats.by_kind.items()})
     return results
+
+
+def shm_all_reduce(rank, world, cases, seed):
+    """Each case (shape, dtype) twice in a row through ``Comm`` with the shared-memory
+    all-reduce (tensors over its 64 KB capacity fall back to gloo) and through gloo
+    alone; returns per case (max difference, the result) and whether /dev/shm is clean."""
+    import os
+
+    import torch.distributed as dist
+
+    from runtime.shm_allreduce import SharedMemoryAllReduce, available
+
+    assert available(world)
+    shm = SharedMemoryAllReduce(rank, world, capacity=1 << 16)
+    comm = Comm()
+    comm.shm = shm
+    out = []
+    for i, (shape, dtype) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + 97 * i + rank)
+        x = torch.randn(shape, generator=g).to(dtype)
+        for _ in range(2):  # consecutive calls alternate the two buffers
+            got, want = comm.all_reduce(x.clone()), x.clone()
+            dist.all_reduce(want)
+        out.append(((got.float() - want.float()).abs().max().item(), got))
+    gone = not any(n.startswith("deinfer-") for n in os.listdir("/dev/shm"))
+    shm.close()
+    return out, gone
