@@ -99,6 +99,7 @@ class LLM:
         path: str | None = None,
         threads: int | None = None,
         prefill_chunk: int = 512,
+        shm_allreduce: bool = True,
     ) -> None:
         spec_path = Path(spec)
         text = _spec_for_tp(spec_path.read_text(), tp)
@@ -143,6 +144,7 @@ class LLM:
             path=self.path,
             threads=self.threads,
             prefill_chunk=prefill_chunk,
+            shm_allreduce=shm_allreduce,
         )
         tp_size = self.spec.parallel.tp
         init = (_run_runner, (config,))
