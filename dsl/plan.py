@@ -1,6 +1,6 @@
 """The sharding and communication plan of a spec, for each mode and a TP degree.
 
-The block dataflow of each mode (DESIGN.md §1) is written once here, as a list
+The block dataflow of each mode (docs/METHOD.md) is written once here, as a list
 of factor shards plus the ordered collectives; accounting (comm units, ring
 elements, FLOPs, weight bytes, KV elements) is derived from that list.
 

@@ -1,5 +1,5 @@
 """The paged KV cache of one rank and the host-side plan that lets latent decode run
-with fixed buffers (DESIGN.md §1, "Decode reconstruction that a CUDA graph can replay")."""
+with fixed buffers (docs/METHOD.md, "Latent decode that a CUDA graph can replay")."""
 
 from __future__ import annotations
 

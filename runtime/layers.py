@@ -1,4 +1,4 @@
-"""Decoder layers in the three modes, in the order of DESIGN.md §1.
+"""Decoder layers in the three modes, in the order of docs/METHOD.md.
 
 The dataflow does not depend on the spec, so it is written here once; the kernels
 it calls come from the generated registry (``generated/<spec>/kernels.py``), picked

@@ -1,6 +1,6 @@
 """The static decode path (GPU): fixed buffers per batch-size bucket, every count in
 device memory, no host synchronisation, so that a CUDA graph can capture and replay the
-step (DESIGN: "Decode reconstruction that a CUDA graph can replay")."""
+step (docs/METHOD.md: "Latent decode that a CUDA graph can replay")."""
 
 from __future__ import annotations
 
