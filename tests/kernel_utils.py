@@ -20,7 +20,8 @@ _DIR = Path(tempfile.mkdtemp(prefix="deinfer-kernels-"))
 
 # Tolerances per dtype, relative to the output's scale (max(1, max |reference|)):
 # fp32 dots accumulate in fp32 (~1e-6 relative); fp16 inputs round to 11 bits
-# before an fp32-accumulated dot. bf16 is validated on a GPU only (the Triton interpreter mishandles bf16).
+# before an fp32-accumulated dot. bf16 is validated on a GPU only (the Triton
+# interpreter mishandles bf16).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
 
 
