@@ -38,6 +38,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         "the batch, plain torch (default on a CPU)",
     )
     p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE[,LATENCY]",
+        help="run the ranks in network namespaces behind an emulated link, e.g. 200mbit "
+        "(tc units; needs root and iproute2)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         path=args.path,
         threads=args.threads,
+        link=args.link,
     ) as llm:
         print(
             f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "

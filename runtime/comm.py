@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat all-gather; older releases only have the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Comm:
         else:
             rows, width = local.shape
             stacked = local.new_empty((self.world * rows, width))
-            _all_gather_flat(stacked, local.contiguous(), group=self.group)
+            all_gather_flat(stacked, local.contiguous(), group=self.group)
             out = self.columns(stacked.view(self.world, rows, width))
         self._done("all_gather", out.numel(), start, tag)
         return out
@@ -109,9 +109,7 @@ class Comm:
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
         if not self.overlap and world > 1:
-            _all_gather_flat(
-                chunks.view(-1, *local.shape[1:]), local.contiguous(), group=self.group
-            )
+            all_gather_flat(chunks.view(-1, *local.shape[1:]), local.contiguous(), group=self.group)
             yield rank, chunks[rank]
             for j in range(1, world):
                 yield (rank - j) % world, chunks[(rank - j) % world]

@@ -25,6 +25,7 @@ from dsl import parse_spec
 from dsl.errors import UserError
 from dsl.plan import MODES
 from runtime.block_manager import BlockManager
+from runtime.emulated_link import LinkSpec
 from runtime.kv_cache import bytes_per_block, layer_cache_kind
 from runtime.launcher import LocalWorker, WorkerGroup, init_from_env, under_torchrun
 from runtime.model_runner import (
@@ -100,6 +101,7 @@ class LLM:
         threads: int | None = None,
         prefill_chunk: int = 512,
         shm_allreduce: bool = True,
+        link: LinkSpec | str | None = None,
     ) -> None:
         spec_path = Path(spec)
         text = _spec_for_tp(spec_path.read_text(), tp)
@@ -128,6 +130,9 @@ class LLM:
             ),
             self.blocks,
         )
+        self.link = LinkSpec.parse(link) if isinstance(link, str) else link
+        if self.link is not None:
+            shm_allreduce = False  # every collective must cross the emulated link
         self.path = path or default_path()
         self.threads = threads or default_threads(self.spec.parallel.tp)
         config = RunnerConfig(
@@ -151,6 +156,8 @@ class LLM:
         if under_torchrun():
             # Every rank runs this driver; the scheduler is deterministic and every rank
             # samples the same tokens, so the ranks stay in lockstep.
+            if self.link is not None:
+                raise UserError("emulated links need the built-in launcher, not torchrun")
             if not dist.is_initialized():
                 init_from_env(timeout_s)
             if dist.get_world_size() != tp_size:
@@ -159,7 +166,7 @@ class LLM:
         elif tp_size == 1:
             self.workers = LocalWorker(init)
         else:
-            self.workers = WorkerGroup(tp_size, timeout_s=timeout_s, init=init)
+            self.workers = WorkerGroup(tp_size, timeout_s=timeout_s, init=init, link=self.link)
         self.tokenizer = self._tokenizer(Path(checkpoint))
         self._next_id = 0
 
@@ -167,7 +174,22 @@ class LLM:
         """e.g. "dynamic path (eager kernels), 2 threads per rank"."""
         kernels = "eager" if self.path == "dynamic" else self.backend
         threads = f"{self.threads} thread{'' if self.threads == 1 else 's'} per rank"
-        return f"{self.path} path ({kernels} kernels), {threads}"
+        text = f"{self.path} path ({kernels} kernels), {threads}"
+        probe = getattr(self.workers, "link_probe", None)
+        if self.link is not None and probe:
+            text += (
+                f"; emulated link {self.link.describe()}: one all-gather of "
+                f"{probe['bytes'] / 1e6:.2f} MB per rank received "
+                f"{probe['bytes_per_s'] / 1e6:.1f} MB/s per rank"
+            )
+        return text
+
+    def set_link(self, link: LinkSpec | str) -> dict[str, float]:
+        """Reshape the emulated links between the ranks; the all-gather probe measured."""
+        self.link = LinkSpec.parse(link) if isinstance(link, str) else link
+        if not isinstance(self.workers, WorkerGroup) or self.workers.links is None:
+            raise UserError("set_link needs an engine started with link=... at tp >= 2")
+        return self.workers.set_link(self.link)
 
     def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
         """The committed generated/<name> when it is current for this spec, else a fresh one."""

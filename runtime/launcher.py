@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.emulated_link import EmulatedLinks, LinkSpec, enter_namespace, probe_all_gather
+
 
 class WorkerError(RuntimeError):
     """A worker rank failed, died or hung."""
@@ -84,16 +86,27 @@ def pin_to_core(rank: int, world: int) -> None:
 
 
 def _worker(
-    rank: int, world: int, port: int, backend: str, timeout_s: float, tasks, results, init=None
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    tasks,
+    results,
+    init=None,
+    master: str = "127.0.0.1",
+    netns: str | None = None,
 ):
     try:
+        if netns is not None:  # an emulated link: this rank's own network namespace
+            enter_namespace(netns)
         torch.set_num_threads(1)  # ranks share the machine's cores
         pin_to_core(rank, world)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master}:{port}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
@@ -123,9 +136,17 @@ def _worker(
     dist.destroy_process_group()
 
 
+def _probe_link(rank: int, world: int, nbytes: int) -> dict[str, float]:
+    return probe_all_gather(nbytes)
+
+
 class WorkerGroup:
     """``init=(factory, args)`` builds a per-rank object ``factory(rank, world, *args)``
-    after the group is up; ``call(name, *args)`` then runs its method on every rank."""
+    after the group is up; ``call(name, *args)`` then runs its method on every rank.
+
+    ``link`` (gloo only) puts each rank in its own network namespace behind an emulated
+    link of that rate (``runtime.emulated_link``), torn down with the group; the
+    all-gather rate measured across it right after start is in ``link_probe``."""
 
     def __init__(
         self,
@@ -133,25 +154,57 @@ class WorkerGroup:
         backend: str | None = None,
         timeout_s: float = 120.0,
         init: tuple[Callable[..., Any], tuple] | None = None,
+        link: LinkSpec | None = None,
     ) -> None:
         self.world = world
         self.timeout_s = timeout_s
+        self.procs: list = []
+        self.links: EmulatedLinks | None = None
+        self.link_probe: dict[str, float] | None = None
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         port = free_port()
         backend = backend or default_backend()
+        if link is not None:
+            if backend != "gloo":
+                raise WorkerError(f"emulated links carry gloo over TCP, not {backend}")
+            self.links = EmulatedLinks(world, link).up()
+        master = self.links.address(0) if self.links else "127.0.0.1"
         self.procs = [
             ctx.Process(
                 target=_worker,
                 daemon=True,
                 args=(r, world, port, backend, timeout_s, self.tasks[r], self.results, init),
+                kwargs={
+                    "master": master,
+                    "netns": self.links.namespace_path(r) if self.links else None,
+                },
             )
             for r in range(world)
         ]
-        for p in self.procs:
-            p.start()
-        self._collect("ready", timeout_s)
+        try:
+            for p in self.procs:
+                p.start()
+            self._collect("ready", timeout_s)
+            if link is not None:
+                self.link_probe = self._probe(link)
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe(self, link: LinkSpec) -> dict[str, float]:
+        # About a quarter of a second of traffic: long enough to see the rate.
+        nbytes = int(min(64 << 20, max(64 << 10, link.bytes_per_s / 4 / (self.world - 1))))
+        return self.run(_probe_link, nbytes)[0]
+
+    def set_link(self, link: LinkSpec) -> dict[str, float]:
+        """Reshape the emulated links to ``link`` and measure them again."""
+        if self.links is None:
+            raise WorkerError("this group was not started behind emulated links")
+        self.links.reshape(link)
+        self.link_probe = self._probe(link)
+        return self.link_probe
 
     def run(
         self, fn: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None
@@ -204,6 +257,8 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self.links is not None:
+            self.links.close()
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -212,7 +267,13 @@ class WorkerGroup:
         self.close()
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    link: LinkSpec | None = None,
+) -> list[Any]:
     """One-shot: start ``world`` workers, run ``fn`` once, stop them."""
-    with WorkerGroup(world, timeout_s=timeout_s) as group:
+    with WorkerGroup(world, timeout_s=timeout_s, link=link) as group:
         return group.run(fn, *args)

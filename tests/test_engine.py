@@ -16,6 +16,7 @@ from runtime.engine import LLM
 from runtime.sequence import SamplingParams
 from tests.conftest import REPO
 from tests.hf_models import TINY_RANKS, make_decomposed
+from tests.test_emulated_link import needs_netns
 
 CONFIG = {
     "vocab_size": 48,
@@ -112,6 +113,20 @@ def test_requests_arriving_while_others_decode(model):
             llm.step()
     assert [s.output for s in seqs] == want
     assert too_long.finish_reason.startswith("error:") and "max_seq_len" in too_long.finish_reason
+
+
+@needs_netns
+def test_greedy_behind_an_emulated_link_and_after_reshaping_it(model):
+    """Ranks in their own namespaces behind a shaped link give the same tokens, before
+    and after the rate changes in place."""
+    spec_path, ckpt, want = model
+    with LLM(spec_path, ckpt, tp=2, mode="base", link="400mbit") as llm:
+        assert "emulated link 400 Mbit/s" in llm.describe_path()
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        assert llm.set_link("100mbit")["bytes_per_s"] > 0
+        again = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
+    assert [o.token_ids for o in again] == want
 
 
 def test_seeded_sampling_is_deterministic_and_streams(model):
