@@ -75,6 +75,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     add_demo(sub)
 
 
+def _add_predict(sub: argparse._SubParsersAction) -> None:
+    from tune.cli_predict import add_predict
+
+    add_predict(sub)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from runtime.cli_bench import add_bench
 
@@ -90,6 +96,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_run,
     _add_demo,
     _add_bench,
+    _add_predict,
 )
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import yaml
@@ -29,6 +29,7 @@ import yaml
 from dsl import build_plan, parse_spec
 from runtime.bench_baseline import hf_throughput, memory_bandwidth
 from runtime.bench_config import PRESETS, BenchConfig, preset
+from runtime.emulated_link import LinkSpec
 from runtime.engine import LLM
 from runtime.model_runner import default_path, default_threads
 from runtime.random_checkpoint import write_random_checkpoint
@@ -45,6 +46,7 @@ class Variant:
     ratio: float | None
     batch: int | None = None  # None: num_requests, max_batch at a time
     max_seq_len: int | None = None  # None: prompt + output
+    link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
 
     @property
     def label(self) -> str:
@@ -52,11 +54,13 @@ class Variant:
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
-        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}"
+        link = "" if self.link is None else f" link={self.link}"
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}"
 
     @property
     def engine(self) -> tuple:
-        """Rows that differ only in batch share one engine."""
+        """Rows that differ only in batch or link share one engine (links are reshaped
+        in place between rows)."""
         return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len)
 
 
@@ -228,9 +232,10 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     batches = cfg.batches or (None,)
     lengths = cfg.max_seq_lens or (None,)
     rows = [
-        Variant(m, kv, tp, r, b, n)
+        Variant(m, kv, tp, r, b, n, link)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
+        for link in (cfg.links or (None,) if tp > 1 else (None,))
         for n in lengths
         for m in cfg.modes
         for kv in cfg.kv_caches
@@ -262,7 +267,31 @@ class _Models:
         return path
 
 
-def _start(v: Variant, models: _Models, cfg: BenchConfig):
+class LinkPlanner(Protocol):
+    """What turns ``BenchConfig.links`` entries into tc rates and predicts each row
+    (``tune.link_planner`` has the one built on the cost model)."""
+
+    def resolve(self, cfg: BenchConfig) -> dict[str, str]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
+
+
+def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
+    """Reshape ``engine``'s links to ``v``'s; the first time a link is used, measure it."""
+    if v.link is None or v.mode == "hf":
+        return
+    want = LinkSpec.parse(rates[v.link])
+    if engine.link != want:
+        probe = engine.set_link(want, probe="probe" not in links[v.link])
+        if probe:
+            links[v.link]["probe"] = probe
+    elif "probe" not in links[v.link]:
+        links[v.link]["probe"] = engine.workers.link_probe
+
+
+def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = None):
     spec_path = models.spec(v)
     ckpt = models.checkpoints[v.ratio]
     spec = parse_spec(spec_path.read_text(), default_name=Path(cfg.spec).stem)
@@ -281,6 +310,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig):
         overlap=cfg.overlap,
         path=cfg.path,
         threads=cfg.threads,
+        link=link if v.tp > 1 else None,
     )
     return llm, spec
 
@@ -310,33 +340,55 @@ def _streamed_bytes(v: Variant, engine) -> int:
     return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
 
 
-def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_bench(
+    cfg: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+    planner: LinkPlanner | None = None,
+) -> dict[str, Any]:
+    """Measure every variant of ``cfg``. Links given as plain tc rates need no
+    ``planner``; others (e.g. ``ratio:5.2``) are resolved by it, which also predicts
+    each row."""
     note = progress or (lambda message: None)
     variants = variants_of(cfg)
     tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
+    rates: dict[str, str] = {}
     engines: dict[tuple, Any] = {}
     specs: dict[tuple, Any] = {}
     cores = default_threads(1)
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
     results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
     results["machine"]["bandwidth_threads"] = cores
+    if cfg.links:
+        note("resolve links")
+        rates = planner.resolve(cfg) if planner else {link: link for link in cfg.links}
+        results["links"] = {link: {"rate": rates[link]} for link in cfg.links}
+        if planner:
+            results["planner"] = planner.describe()
     try:
         models = _Models(cfg, Path(tmp.name))
         for v in variants:
             if v.engine not in engines:
                 note(f"start {v.label}")
-                engines[v.engine], specs[v.engine] = _start(v, models, cfg)
+                link = rates[v.link] if v.link else None
+                engines[v.engine], specs[v.engine] = _start(v, models, cfg, link)
         vocab = parse_spec(models.base_text).model.vocab_size
+        links = results.get("links", {})
         for v in variants:  # warm-up, excluded
+            _switch_link(v, engines[v.engine], rates, links)
             short = replace(cfg, num_requests=1, output_len=2, serving=False)
             _measure(replace(v, batch=1), engines[v.engine], short, vocab)
         raw: dict[Variant, list[dict[str, Any]]] = {v: [] for v in variants}
         for rep in range(cfg.reps):
             for v in variants:
                 note(f"rep {rep + 1}/{cfg.reps} {v.label}")
+                _switch_link(v, engines[v.engine], rates, links)
                 raw[v].append(_measure(v, engines[v.engine], cfg, vocab))
         for v in variants:
-            results["variants"].append(_row(v, raw[v], engines[v.engine], specs[v.engine], cfg))
+            _switch_link(v, engines[v.engine], rates, links)
+            row = _row(v, raw[v], engines[v.engine], specs[v.engine], cfg)
+            if planner and v.link:
+                row["predicted"] = planner.predict(specs[v.engine], v, cfg)
+            results["variants"].append(row)
     finally:
         for key, engine in engines.items():
             if key[0] != "hf":
@@ -369,7 +421,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def add_ratios(results: dict[str, Any]) -> None:
     """min/median/max over repetitions; each median's ratio to base (same tp, ratio,
-    batch and length), to transformers (same ratio and batch) and to the weight-streaming
+    batch, length and link), to transformers (same ratio and batch) and to the weight-streaming
     floor: batch / (tp · streamed bytes per rank / memory bandwidth), since the ranks
     share the memory bus."""
     cfg = results["config"]
@@ -379,12 +431,12 @@ def add_ratios(results: dict[str, Any]) -> None:
         var["decode_tokens_per_s"] = _spread([r["decode_tokens_per_s"] for r in var["throughput"]])
         var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
         key = (var["mode"], var["kv_cache"], var["tp"], var["ratio"], var["batch"])
-        medians[(*key, var["max_seq_len"])] = var["decode_tokens_per_s"]["median"]
+        medians[(*key, var["max_seq_len"], var.get("link"))] = var["decode_tokens_per_s"]["median"]
     for var in results["variants"]:
         median = var["decode_tokens_per_s"]["median"]
-        at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"])
+        at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
         base = medians.get(("base", "dense", *at))
-        hf = medians.get(("hf", "-", 1, var["ratio"], var["batch"], None))
+        hf = medians.get(("hf", "-", 1, var["ratio"], var["batch"], None, None))
         var["decode_speedup_vs_base"] = median / base if base else None
         var["decode_speedup_vs_hf"] = median / hf if hf else None
         batch = var["batch"] or min(cfg["num_requests"], cfg["max_batch"])

@@ -31,6 +31,10 @@ class BenchConfig:
     hf: bool = False  # add transformers generate on the same weights (the baseline)
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     path: str | None = None  # static | dynamic; None: the machine's default
+    # Emulated links between the ranks of tp > 1 rows: tc rates ("200mbit") or
+    # "ratio:X", the rate at which Base's comm / compute per block is X (by the cost
+    # model, ``tune.link_planner``). (): loopback.
+    links: tuple[str, ...] = ()
     serving: bool = True  # the Poisson serving run
     breakdown: bool = True  # the per-block communication breakdown
 
@@ -106,6 +110,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "output_len": 64,
         "serving": False,
         "breakdown": False,
+    },
+    # The paper's Table 5 regime on this CPU: base, deinfer and dense at tp 2 behind
+    # emulated links whose rate makes Base's comm / compute per block what Table 5 has
+    # without NVLink (12.182 / 2.352 = 5.18) and with it (0.891 / 2.391 = 0.373), plus a
+    # sweep around them. One all-gather per sub-layer (no ring overlap) so the breakdown
+    # separates communication from compute as the paper's profile does.
+    "paper-table5-cpu": {
+        "spec": "specs/cpu-demo.yaml",
+        "tps": (2,),
+        "batches": (16,),
+        "num_requests": 16,
+        "max_batch": 16,
+        "threads": 1,
+        "prompt_len": 32,
+        "output_len": 16,
+        "links": ("ratio:0.25", "ratio:0.373", "ratio:0.7", "ratio:1.5", "ratio:3", "ratio:5.18"),
+        "overlap": False,
+        "serving": False,
+        "breakdown_steps": 4,
     },
     "paper-high-load-cpu": {
         "spec": "specs/cpu-demo.yaml",

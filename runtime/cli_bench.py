@@ -42,6 +42,15 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="one all-gather instead of the ring overlapped with the up GEMM",
     )
+    p.add_argument(
+        "--link",
+        action="append",
+        default=None,
+        metavar="RATE[,LATENCY]",
+        help="emulated link between the ranks (repeat for several): a tc rate such as "
+        "200mbit, or ratio:X for the rate at which Base's comm/compute per block is X "
+        "(by the cost model, after calibrating this machine); needs root and iproute2",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=run)
@@ -51,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from runtime.bench import preset, run_bench
+    from runtime.bench_link_report import link_markdown, link_plot
     from runtime.bench_report import markdown, plots
 
     cfg = preset(args.preset)
@@ -67,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "batches": args.batches,
         "hf": True if args.hf else None,
+        "links": tuple(args.link) if args.link else None,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:
@@ -77,13 +88,20 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix_str(message)
         bar.update(1)
 
-    results = run_bench(cfg, progress)
+    planner = None
+    if cfg.links:
+        from tune.link_planner import CostModelPlanner  # the cost model lives in tune
+
+        planner = CostModelPlanner()
+    results = run_bench(cfg, progress, planner)
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    table = markdown(results)
+    table = markdown(results) + link_markdown(results)
     (args.out / "results.md").write_text(table)
     written = [] if args.no_plots else plots(results, args.out)
+    if not args.no_plots and (link_png := link_plot(results, args.out)):
+        written.append(link_png)
     print(table)
     print(
         f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"

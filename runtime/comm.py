@@ -104,16 +104,18 @@ class Comm:
         """Ring all-gather of equal [M, W] chunks into ``chunks`` [world, M, W] that
         yields ``(source rank, chunk)`` as each arrives: the local chunk first, then one
         per ring step, so the caller computes on a chunk while the next is in flight.
-        Counted as one all-gather of world·M·W elements."""
+        Counted as one all-gather of world·M·W elements; timed, the ring's time includes
+        the caller's work it overlaps, the single all-gather's (``overlap`` off) does not."""
         start = self._start()
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
         if not self.overlap and world > 1:
             all_gather_flat(chunks.view(-1, *local.shape[1:]), local.contiguous(), group=self.group)
+            # Recorded before the caller's GEMMs run on the chunks: comm time only.
+            self._done("all_gather", chunks.numel(), start)
             yield rank, chunks[rank]
             for j in range(1, world):
                 yield (rank - j) % world, chunks[(rank - j) % world]
-            self._done("all_gather", chunks.numel(), start)
             return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
 

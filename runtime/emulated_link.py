@@ -238,7 +238,7 @@ def enter_namespace(path: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
 
 
-def probe_all_gather(nbytes: int, reps: int = 3) -> dict[str, float]:
+def probe_all_gather(nbytes: int, reps: int = 5) -> dict[str, float]:
     """Time all-gathers of ``nbytes`` per rank on the default group (after one warm-up):
     the median seconds, and the bytes each rank received per second."""
     import statistics

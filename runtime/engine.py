@@ -97,6 +97,7 @@ class LLM:
         timeout_s: float = 600.0,
         comm_stats: str = "off",
         overlap: bool = True,
+        overlap_min_rows: int = 0,
         path: str | None = None,
         threads: int | None = None,
         prefill_chunk: int = 512,
@@ -146,6 +147,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             comm_stats=comm_stats,
             overlap=overlap,
+            overlap_min_rows=overlap_min_rows,
             path=self.path,
             threads=self.threads,
             prefill_chunk=prefill_chunk,
@@ -184,12 +186,13 @@ class LLM:
             )
         return text
 
-    def set_link(self, link: LinkSpec | str) -> dict[str, float]:
-        """Reshape the emulated links between the ranks; the all-gather probe measured."""
+    def set_link(self, link: LinkSpec | str, probe: bool = True) -> dict[str, float] | None:
+        """Reshape the emulated links between the ranks; the all-gather probe measured
+        across them (unless ``probe`` is False)."""
         self.link = LinkSpec.parse(link) if isinstance(link, str) else link
         if not isinstance(self.workers, WorkerGroup) or self.workers.links is None:
             raise UserError("set_link needs an engine started with link=... at tp >= 2")
-        return self.workers.set_link(self.link)
+        return self.workers.set_link(self.link, probe)
 
     def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
         """The committed generated/<name> when it is current for this spec, else a fresh one."""

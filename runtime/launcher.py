@@ -188,22 +188,25 @@ class WorkerGroup:
                 p.start()
             self._collect("ready", timeout_s)
             if link is not None:
-                self.link_probe = self._probe(link)
+                self.link_probe = self.probe_link()
         except BaseException:
             self.close()
             raise
 
-    def _probe(self, link: LinkSpec) -> dict[str, float]:
-        # About a quarter of a second of traffic: long enough to see the rate.
-        nbytes = int(min(64 << 20, max(64 << 10, link.bytes_per_s / 4 / (self.world - 1))))
+    def probe_link(self, nbytes: int | None = None) -> dict[str, float]:
+        """Time all-gathers of ``nbytes`` per rank across the group (default: about a
+        tenth of a second of traffic at the link's rate, long enough to see the rate)."""
+        if nbytes is None:
+            rate = self.links.link.bytes_per_s if self.links else 1e9
+            nbytes = int(min(64 << 20, max(64 << 10, rate / 10 / (self.world - 1))))
         return self.run(_probe_link, nbytes)[0]
 
-    def set_link(self, link: LinkSpec) -> dict[str, float]:
-        """Reshape the emulated links to ``link`` and measure them again."""
+    def set_link(self, link: LinkSpec, probe: bool = True) -> dict[str, float] | None:
+        """Reshape the emulated links to ``link`` and (by default) measure them again."""
         if self.links is None:
             raise WorkerError("this group was not started behind emulated links")
         self.links.reshape(link)
-        self.link_probe = self._probe(link)
+        self.link_probe = self.probe_link() if probe else None
         return self.link_probe
 
     def run(

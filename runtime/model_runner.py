@@ -60,7 +60,8 @@ class RunnerConfig:
     num_blocks: int
     cuda_graphs: bool = True
     comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
-    overlap: bool = True  # ring all-gather overlapped with the up-projection
+    overlap: bool = True  # ring all-gather overlapped with the up-projection ...
+    overlap_min_rows: int = 0  # ... in forwards of at least this many rows
     path: str = "static"  # static | dynamic
     threads: int | None = None  # intra-op threads of this rank; None leaves torch's setting
     # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
@@ -341,4 +342,8 @@ class ModelRunner:
         return torch.get_num_threads()
 
     def step(self, seqs: list[SeqInput], is_prefill: bool) -> list[int]:
+        rows = sum(len(s.tokens) for s in seqs) if is_prefill else len(seqs)
+        # The ring pays a call per step that one all-gather does not; it wins only once
+        # the up GEMM it hides is worth more (``deinfer predict`` says from how many rows).
+        self.comm.overlap = self.config.overlap and rows >= self.config.overlap_min_rows
         return self.prefill(seqs) if is_prefill else self.decode(seqs)

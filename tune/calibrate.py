@@ -1,0 +1,102 @@
+"""``deinfer predict --calibrate``: measure this machine's device profile.
+
+Every rank measures at once (ranks share a CPU's memory bus and cores, so a rank's rates
+are what it gets while the others run too), each with ``threads`` intra-op threads:
+- memory: the weight bytes per second a decode-shaped GEMM streams (16 rows against
+  [out, in] matrices far larger than the caches, as the dynamic path multiplies);
+- matmul: FLOP/s of a GEMM of 512 rows, where the arithmetic, not memory, bounds it;
+- per-operator overhead: a tiny elementwise op;
+- link: bytes/s of one large all-gather (per rank received) and the per-step latency of
+  a tiny all-reduce, over loopback or, with ``link``, over an emulated link.
+The slowest rank's figure is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from tune.profiles import DeviceProfile
+
+WIDTH = 2048  # cpu-demo's hidden size: the calibration GEMMs are the model's shapes
+MATRICES = 16  # 16 · 2048² fp32 = 256 MB: no cache holds it
+
+
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _probe_rank(rank: int, world: int, threads: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from runtime.comm import all_gather_flat
+    from runtime.eager import matmul
+
+    torch.set_num_threads(threads)
+    # Stored [out, in] and multiplied as the dynamic path does (runtime.eager.matmul).
+    weights = [torch.randn(WIDTH, WIDTH).t() for _ in range(MATRICES)]
+    rows16 = torch.randn(16, WIDTH)
+    rows512 = torch.randn(512, WIDTH)
+
+    def stream() -> None:
+        for w in weights:
+            matmul(rows16, w)
+
+    dist.barrier()
+    stream_s = _median_seconds(stream, 5)
+    dist.barrier()
+    gemm_s = _median_seconds(lambda: matmul(rows512, weights[0]), 5)
+    small = torch.ones(16)
+    op_s = _median_seconds(lambda: [small.add(1.0) for _ in range(200)], 5) / 200
+
+    result = {
+        "memory_bytes_per_s": MATRICES * WIDTH * WIDTH * 4 / stream_s,
+        "matmul_flops_per_s": 2.0 * 512 * WIDTH * WIDTH / gemm_s,
+        "op_overhead_s": op_s,
+        "link_bytes_per_s": float("inf"),
+        "link_latency_s": 0.0,
+    }
+    if world > 1:
+        local = torch.ones((4 << 20) // 4)
+        out = torch.empty(world * local.numel())
+
+        def gather() -> None:
+            dist.barrier()
+            all_gather_flat(out, local)
+
+        gather_s = _median_seconds(gather, 3)
+        barrier_s = _median_seconds(dist.barrier, 5)
+        tiny = torch.ones(1)
+        reduce_s = _median_seconds(lambda: dist.all_reduce(tiny), 20)
+        result["link_bytes_per_s"] = (world - 1) * local.numel() * 4 / (gather_s - barrier_s)
+        result["link_latency_s"] = reduce_s / (2 * (world - 1))
+    return result
+
+
+def calibrate(tp: int = 2, threads: int = 1, link=None, name: str = "cpu-here") -> DeviceProfile:
+    """Measure this machine with ``tp`` ranks of ``threads`` threads each."""
+    import platform
+
+    from runtime.launcher import WorkerGroup
+
+    with WorkerGroup(tp, timeout_s=300, link=link) as group:
+        ranks = group.run(_probe_rank, threads)
+    slowest = {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
+    where = "loopback" if link is None else f"an emulated link of {link.describe()}"
+    return DeviceProfile(
+        name=name,
+        description=(
+            f"{platform.processor() or platform.machine()}: {tp} ranks of {threads} thread(s), "
+            f"collectives over {where}"
+        ),
+        source="deinfer predict --calibrate (measured)",
+        **slowest,
+    )
