@@ -209,9 +209,14 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
     block = {k: v for k, v in stats.items() if ":" not in k}  # embedding/logits are tagged
     comm_ms = sum(v[2] for v in block.values()) / max(1, steps) / layers * 1e3
     total_ms = elapsed / max(1, steps) / layers * 1e3
+    rank_ms = stats.get("step:rank", (0, 0, elapsed))[2] / max(1, steps) / layers * 1e3
     per_token = max(1, tokens) * layers
     return {
         "block_ms_per_step": {"communication": comm_ms, "compute_and_overhead": total_ms - comm_ms},
+        # The same step seen from rank 0 (its forward and sampling, without the driver's
+        # scheduling and the messages to and from the ranks), per block.
+        "rank_ms_per_step_per_block": rank_ms,
+        "driver_ms_per_step": (total_ms - rank_ms) * layers,
         "elements_per_token_per_block": {k: v[1] / per_token for k, v in block.items()},
         "collectives_per_token_per_block": {k: v[0] / per_token for k, v in block.items()},
         "decode_steps": steps,
@@ -274,6 +279,8 @@ class LinkPlanner(Protocol):
     def resolve(self, cfg: BenchConfig) -> dict[str, str]: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+    def probe(self, engine: Any, v: Variant) -> None: ...
 
     def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
 
@@ -383,12 +390,16 @@ def run_bench(
                 note(f"rep {rep + 1}/{cfg.reps} {v.label}")
                 _switch_link(v, engines[v.engine], rates, links)
                 raw[v].append(_measure(v, engines[v.engine], cfg, vocab))
+                if planner and v.link:
+                    planner.probe(engines[v.engine], v)
         for v in variants:
             _switch_link(v, engines[v.engine], rates, links)
             row = _row(v, raw[v], engines[v.engine], specs[v.engine], cfg)
             if planner and v.link:
                 row["predicted"] = planner.predict(specs[v.engine], v, cfg)
             results["variants"].append(row)
+        if planner:
+            results["planner"] = planner.describe()
     finally:
         for key, engine in engines.items():
             if key[0] != "hf":

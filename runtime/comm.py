@@ -40,7 +40,8 @@ class Comm:
     """Collectives over one process group (``None``: the default group).
 
     ``count=True`` records calls and elements; ``timed=True`` also measures wall time
-    (synchronising the GPU around each collective, so only for breakdowns)."""
+    (synchronising the GPU and the ranks before each collective, so only for
+    breakdowns)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, count: bool = False, timed: bool = False
@@ -62,6 +63,10 @@ class Comm:
         if self.timed:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            if self.world > 1:
+                # Wait for the slowest rank first, outside the timer: the time recorded
+                # is the transfer, and waiting for a peer counts as the work before it.
+                dist.barrier(group=self.group)
             return time.perf_counter()
         return 0.0
 

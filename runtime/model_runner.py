@@ -6,6 +6,7 @@ work proportional to the tokens that exist (``runtime.eager_attention``)."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -346,4 +347,9 @@ class ModelRunner:
         # The ring pays a call per step that one all-gather does not; it wins only once
         # the up GEMM it hides is worth more (``deinfer predict`` says from how many rows).
         self.comm.overlap = self.config.overlap and rows >= self.config.overlap_min_rows
-        return self.prefill(seqs) if is_prefill else self.decode(seqs)
+        if not self.comm.timed:
+            return self.prefill(seqs) if is_prefill else self.decode(seqs)
+        start = time.perf_counter()  # timed: the rank's own time per step, beside the comm's
+        out = self.prefill(seqs) if is_prefill else self.decode(seqs)
+        self.comm.stats.record("step:rank", 0, time.perf_counter() - start)
+        return out

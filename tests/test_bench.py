@@ -4,14 +4,20 @@ communication equals the plan (no timing assertions)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
 
 from codegen.cli import main as cli
 from runtime.bench import PRESETS, BenchConfig, run_bench
+from runtime.bench_link_report import link_markdown, link_plot
 from runtime.bench_report import markdown, plots
+from runtime.emulated_link import namespaces
 from tests.conftest import SPECS
+from tests.test_emulated_link import needs_netns
+from tune.link_planner import CostModelPlanner
+from tune.profiles import load_profile
 
 
 def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
@@ -158,3 +164,49 @@ def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monke
     assert cli(["bench", "--preset", "test-tiny", "--out", str(tmp_path)]) == 0
     for name in ("results.json", "results.md", "throughput_vs_tp.png", "breakdown.png"):
         assert (tmp_path / name).is_file()
+
+
+@needs_netns
+def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
+    """Rows per link, each link measured, the rates resolved from a comm/compute ratio,
+    every row predicted, the link table and the speed-up plot written; the namespaces
+    gone afterwards."""
+    cfg = BenchConfig(
+        spec=str(SPECS / "tiny-llama.yaml"),
+        tps=(2,),
+        num_requests=2,
+        prompt_len=4,
+        output_len=3,
+        max_batch=2,
+        breakdown_steps=2,
+        reps=1,
+        serving=False,
+        overlap=False,
+        links=("ratio:1", "300mbit"),
+    )
+    planner = CostModelPlanner(profile=load_profile("a800-pcie"))
+    results = run_bench(cfg, None, planner)
+    assert set(results["links"]) == {"ratio:1", "300mbit"}
+    for link in results["links"].values():
+        assert link["probe"]["bytes_per_s"] > 0
+    assert results["links"]["300mbit"]["rate"] == "300mbit"
+    assert results["planner"]["links"]["ratio:1"]["comm_over_compute"] == 1.0
+    assert {v["label"] for v in results["variants"]} == {
+        f"{m} kv=dense tp2 link={link}"
+        for m in ("deinfer", "base", "dense")
+        for link in ("ratio:1", "300mbit")
+    }
+    for v in results["variants"]:
+        assert set(v["predicted"]) == {"compute_ms", "comm_ms", "total_ms"}
+        assert v["predicted"]["comm_ms"] > 0
+        assert v["breakdown"]["block_ms_per_step"]["communication"] > 0
+        base = next(
+            b for b in results["variants"] if b["mode"] == "base" and b["link"] == v["link"]
+        )
+        assert v["decode_speedup_vs_base"] == pytest.approx(
+            v["decode_tokens_per_s"]["median"] / base["decode_tokens_per_s"]["median"]
+        )
+    table = link_markdown(results)
+    assert table.count("| ratio:1 |") == 3 and table.count("| 300mbit |") == 3
+    assert link_plot(results, tmp_path).is_file()
+    assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []

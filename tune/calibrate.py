@@ -33,34 +33,55 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def _probe_rank(rank: int, world: int, threads: int) -> dict[str, float]:
+def probe_compute(
+    rank: int, world: int, shapes: list[tuple[int, int]] | None = None, reps: int = 5
+) -> dict[str, float]:
+    """This rank's GEMM streaming rate, matmul rate and per-operator overhead, measured
+    while every rank of the group does the same (at the rank's current threads).
+
+    ``shapes``: the (in, out) matrices streamed at 16 rows (default: 16 of 2048²; a
+    bench passes the local GEMMs of its model, whose odd widths stream slower than
+    square powers of two). Runs inside a worker (``WorkerGroup.run``), also inside a
+    live engine's ranks, so a bench can re-measure between repetitions as the machine
+    drifts."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.eager import matmul
+
+    shapes = shapes or [(WIDTH, WIDTH)] * MATRICES
+    # Stored [out, in] and multiplied as the dynamic path does (runtime.eager.matmul).
+    weights = [torch.randn(n_out, n_in).t() for n_in, n_out in shapes]
+    rows16 = {n_in: torch.randn(16, n_in) for n_in, _ in shapes}
+    rows512 = torch.randn(512, WIDTH)
+    square = torch.randn(WIDTH, WIDTH).t()
+
+    def stream() -> None:
+        for w in weights:
+            matmul(rows16[w.shape[0]], w)
+
+    dist.barrier()
+    stream_s = _median_seconds(stream, reps)
+    dist.barrier()
+    gemm_s = _median_seconds(lambda: matmul(rows512, square), reps)
+    small = torch.ones(16)
+    op_s = _median_seconds(lambda: [small.add(1.0) for _ in range(200)], reps) / 200
+    return {
+        "memory_bytes_per_s": sum(i * o for i, o in shapes) * 4 / stream_s,
+        "matmul_flops_per_s": 2.0 * 512 * WIDTH * WIDTH / gemm_s,
+        "op_overhead_s": op_s,
+    }
+
+
+def _probe_rank(rank: int, world: int, threads: int, matrices: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
     from runtime.comm import all_gather_flat
-    from runtime.eager import matmul
 
     torch.set_num_threads(threads)
-    # Stored [out, in] and multiplied as the dynamic path does (runtime.eager.matmul).
-    weights = [torch.randn(WIDTH, WIDTH).t() for _ in range(MATRICES)]
-    rows16 = torch.randn(16, WIDTH)
-    rows512 = torch.randn(512, WIDTH)
-
-    def stream() -> None:
-        for w in weights:
-            matmul(rows16, w)
-
-    dist.barrier()
-    stream_s = _median_seconds(stream, 5)
-    dist.barrier()
-    gemm_s = _median_seconds(lambda: matmul(rows512, weights[0]), 5)
-    small = torch.ones(16)
-    op_s = _median_seconds(lambda: [small.add(1.0) for _ in range(200)], 5) / 200
-
     result = {
-        "memory_bytes_per_s": MATRICES * WIDTH * WIDTH * 4 / stream_s,
-        "matmul_flops_per_s": 2.0 * 512 * WIDTH * WIDTH / gemm_s,
-        "op_overhead_s": op_s,
+        **probe_compute(rank, world, [(WIDTH, WIDTH)] * matrices),
         "link_bytes_per_s": float("inf"),
         "link_latency_s": 0.0,
     }
@@ -81,14 +102,21 @@ def _probe_rank(rank: int, world: int, threads: int) -> dict[str, float]:
     return result
 
 
-def calibrate(tp: int = 2, threads: int = 1, link=None, name: str = "cpu-here") -> DeviceProfile:
-    """Measure this machine with ``tp`` ranks of ``threads`` threads each."""
+def calibrate(
+    tp: int = 2,
+    threads: int = 1,
+    link=None,
+    name: str = "cpu-here",
+    matrices: int = MATRICES,
+) -> DeviceProfile:
+    """Measure this machine with ``tp`` ranks of ``threads`` threads each (``matrices``
+    of 2048² streamed per pass: fewer only to test the mechanics, they fit in caches)."""
     import platform
 
     from runtime.launcher import WorkerGroup
 
     with WorkerGroup(tp, timeout_s=300, link=link) as group:
-        ranks = group.run(_probe_rank, threads)
+        ranks = group.run(_probe_rank, threads, matrices)
     slowest = {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
     where = "loopback" if link is None else f"an emulated link of {link.describe()}"
     return DeviceProfile(

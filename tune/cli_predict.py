@@ -23,6 +23,12 @@ def add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=None, help="TP degree (default: the spec's)")
     p.add_argument("--batch", type=int, default=None, help="tokens per forward (default 1..max)")
     p.add_argument("--context", type=int, default=None, help="positions attended (default 512)")
+    p.add_argument(
+        "--ratios",
+        default=None,
+        help="also compare modes with the spec re-decomposed at these compression ratios "
+        "(rank = (1 - ratio) · smaller dimension), e.g. 0.2,0.4,0.6,0.8",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--calibrate",
@@ -141,4 +147,36 @@ def _predict(args: argparse.Namespace) -> int:
         f"layers {c['layers'][0]}-{c['layers'][-1]}: {c['cache']}" for c in choice["kv_cache"]
     )
     print(f"deinfer KV cache at batch {batches[-1]}: {kinds}")
+    if args.ratios:
+        print(_ratio_table(args, dev, batches[-1], context))
     return 0
+
+
+def _ratio_table(args: argparse.Namespace, dev, batch: int, context: int) -> str:
+    """DeInfer's block time against dense TP and Base at several compression ratios."""
+    import yaml
+
+    from dsl import build_plan, parse_spec
+    from tune.cost_model import Workload, predict_block
+
+    text = Path(args.spec).read_text()
+    lines = [
+        f"\nper block at batch {batch}, context {context}: deinfer / dense and deinfer / base "
+        "(below 1: deinfer faster)",
+        "| ratio | deinfer ms | dense ms | base ms | deinfer / dense | deinfer / base |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for ratio in (float(x) for x in args.ratios.split(",") if x):
+        raw = yaml.safe_load(text)
+        raw["decomposition"] = {"ratio": ratio, "rule": "smaller_dim_fraction", "rank_multiple": 2}
+        spec = parse_spec(yaml.safe_dump(raw, sort_keys=False), default_name=Path(args.spec).stem)
+        plan = build_plan(spec, tp=args.tp)
+        t = {
+            m: predict_block(plan.modes[m], dev, Workload(batch, context)).total_s * 1e3
+            for m in ("deinfer", "dense", "base")
+        }
+        lines.append(
+            f"| {ratio:g} | {t['deinfer']:.3f} | {t['dense']:.3f} | {t['base']:.3f} | "
+            f"{t['deinfer'] / t['dense']:.2f} | {t['deinfer'] / t['base']:.2f} |"
+        )
+    return "\n".join(lines)

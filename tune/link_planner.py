@@ -11,13 +11,20 @@ gloo over TCP achieves through it).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, replace
 from typing import Any
 
 from dsl import build_plan, load_spec
 from runtime.emulated_link import LinkSpec
-from tune.calibrate import calibrate
-from tune.cost_model import Workload, gemm_seconds, link_rate_for_ratio, predict_block
+from tune.calibrate import calibrate, probe_compute
+from tune.cost_model import (
+    Workload,
+    gemm_seconds,
+    link_rate_for_ratio,
+    local_gemms,
+    predict_block,
+)
 from tune.profiles import DeviceProfile
 
 RATIO = "ratio:"
@@ -32,12 +39,19 @@ def bench_workload(cfg: Any, batch: int | None) -> Workload:
     return Workload(rows, cfg.prompt_len + cfg.output_len // 2)
 
 
+def _slowest(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """The slowest rank's figure of each rate (highest time, lowest rate)."""
+    return {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
+
+
 class CostModelPlanner:
     def __init__(self, threads: int = 1, profile: DeviceProfile | None = None) -> None:
         self.threads = threads
         self.profile = profile
         self.targets: dict[str, dict[str, float]] = {}
         self.message_bytes = 0
+        self.samples: dict[str, list[dict[str, float]]] = {}
+        self.shapes: list[tuple[int, int]] = []
 
     def resolve(self, cfg: Any) -> dict[str, str]:
         """tc rates for ``cfg.links``; every link is also measured with all-gathers of
@@ -45,8 +59,17 @@ class CostModelPlanner:
         from runtime.launcher import WorkerGroup
 
         tp = max(cfg.tps)
-        if self.profile is None:
+        calibrating = self.profile is None
+        if calibrating:
             self.profile = calibrate(tp, cfg.threads or self.threads)
+        plan = build_plan(load_spec(cfg.spec), tp, modes=tuple(cfg.modes))
+        # The matrices this bench's ranks multiply: what their streaming rate is measured on.
+        self.shapes = [
+            (n_in, n_out)
+            for mp in plan.modes.values()
+            for lp in mp.layer_plans
+            for _, n_in, n_out in local_gemms(lp)
+        ]
         base = build_plan(load_spec(cfg.spec), tp, modes=("base",)).modes["base"]
         work = bench_workload(cfg, cfg.batches[0] if cfg.batches else None)
         per_collective = (
@@ -58,6 +81,10 @@ class CostModelPlanner:
         self.message_bytes = int(per_collective / (tp - 1))
         rates = {}
         with WorkerGroup(tp, timeout_s=300, link=LinkSpec(1e9)) as group:
+            if calibrating:  # the compute rates on this model's own matrices
+                self.profile = replace(
+                    self.profile, **_slowest(group.run(probe_compute, self.shapes))
+                )
             for entry in cfg.links:
                 target: dict[str, float] = {}
                 if entry.startswith(RATIO):
@@ -90,13 +117,34 @@ class CostModelPlanner:
             nominal *= wanted / achieved
         return min(nominal, MAX_TC_RATE)
 
+    def probe(self, engine: Any, v: Any) -> None:
+        """Re-measure the compute rates inside ``engine``'s ranks (between repetitions:
+        this machine's speed drifts by up to 2x over minutes); ``predict`` uses the
+        median of what was measured around ``v``'s runs."""
+        ranks = engine.workers.run(probe_compute, self.shapes, 3)
+        self.samples.setdefault(v.label, []).append(_slowest(ranks))
+
+    def _rates(self, label: str) -> dict[str, float]:
+        samples = self.samples.get(label, [])
+        if not samples:
+            return {}
+        return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
     def describe(self) -> dict[str, Any]:
-        return {"profile": asdict(self.profile) if self.profile else None, "links": self.targets}
+        return {
+            "profile": asdict(self.profile) if self.profile else None,
+            "links": self.targets,
+            "rates_measured_per_row": {label: self._rates(label) for label in self.samples},
+        }
 
     def predict(self, spec: Any, v: Any, cfg: Any) -> dict[str, float]:
         """Per block, ms: compute (with the block's share of the LM head), comm, total,
         at the rate measured across ``v``'s link."""
-        dev = replace(self.profile, link_bytes_per_s=self.targets[v.link]["measured_bytes_per_s"])
+        dev = replace(
+            self.profile,
+            link_bytes_per_s=self.targets[v.link]["measured_bytes_per_s"],
+            **self._rates(v.label),
+        )
         mp = build_plan(spec, v.tp, modes=(v.mode,)).modes[v.mode]
         work = bench_workload(cfg, v.batch)
         pred = predict_block(mp, dev, work)
