@@ -276,13 +276,28 @@ class LinkPlanner(Protocol):
     """What turns ``BenchConfig.links`` entries into tc rates and predicts each row
     (``tune.link_planner`` has the one built on the cost model)."""
 
-    def resolve(self, cfg: BenchConfig) -> dict[str, str]: ...
+    def resolve(self, cfg: BenchConfig, fit: tuple[str, Any, float]) -> dict[str, str]: ...
 
     def describe(self) -> dict[str, Any]: ...
 
     def probe(self, engine: Any, v: Variant) -> None: ...
 
     def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
+
+
+FAST_LINK = "8000000000bit"  # far above what gloo over TCP carries here
+
+
+def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
+    """(mode, engine, measured compute ms per block) of one linked engine — Base's where
+    it runs — measured behind the fast link: what the planner fits its compute scale on."""
+    linked = [v for v in variants if v.link and v.mode != "hf"]
+    v = next((v for v in linked if v.mode == "base"), linked[0])
+    engine, spec = engines[v.engine], specs[v.engine]
+    engine.workers.call("set_comm_stats", "timed")
+    block = breakdown_run(engine, cfg, vocab, spec.model.num_layers)["block_ms_per_step"]
+    engine.workers.call("set_comm_stats", "off")
+    return v.mode, engine, block["compute_and_overhead"]
 
 
 def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
@@ -358,19 +373,15 @@ def run_bench(
     note = progress or (lambda message: None)
     variants = variants_of(cfg)
     tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
-    rates: dict[str, str] = {}
     engines: dict[tuple, Any] = {}
     specs: dict[tuple, Any] = {}
     cores = default_threads(1)
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
     results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
     results["machine"]["bandwidth_threads"] = cores
-    if cfg.links:
-        note("resolve links")
-        rates = planner.resolve(cfg) if planner else {link: link for link in cfg.links}
-        results["links"] = {link: {"rate": rates[link]} for link in cfg.links}
-        if planner:
-            results["planner"] = planner.describe()
+    # Engines start behind a fast link; links given as a ratio are resolved once the
+    # planner has measured a block here (it needs the real compute to set the rate).
+    rates = {link: link if planner is None else FAST_LINK for link in cfg.links}
     try:
         models = _Models(cfg, Path(tmp.name))
         for v in variants:
@@ -379,6 +390,12 @@ def run_bench(
                 link = rates[v.link] if v.link else None
                 engines[v.engine], specs[v.engine] = _start(v, models, cfg, link)
         vocab = parse_spec(models.base_text).model.vocab_size
+        if cfg.links:
+            if planner:
+                note("calibrate the cost model on a measured block")
+                rates = planner.resolve(cfg, _fit_block(variants, engines, specs, cfg, vocab))
+                results["planner"] = planner.describe()
+            results["links"] = {link: {"rate": rates[link]} for link in cfg.links}
         links = results.get("links", {})
         for v in variants:  # warm-up, excluded
             _switch_link(v, engines[v.engine], rates, links)

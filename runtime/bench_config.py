@@ -125,7 +125,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "threads": 1,
         "prompt_len": 32,
         "output_len": 16,
-        "links": ("ratio:0.25", "ratio:0.373", "ratio:0.7", "ratio:1.5", "ratio:3", "ratio:5.18"),
+        "links": ("ratio:0.373", "ratio:0.7", "ratio:1.5", "ratio:3", "ratio:5.18"),
         "overlap": False,
         "serving": False,
         "breakdown_steps": 4,

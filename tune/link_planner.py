@@ -52,10 +52,17 @@ class CostModelPlanner:
         self.message_bytes = 0
         self.samples: dict[str, list[dict[str, float]]] = {}
         self.shapes: list[tuple[int, int]] = []
+        self.compute_scale = 1.0
+        self.fitted: dict[str, Any] = {}
 
-    def resolve(self, cfg: Any) -> dict[str, str]:
+    def resolve(self, cfg: Any, fit: tuple[str, Any, float] | None = None) -> dict[str, str]:
         """tc rates for ``cfg.links``; every link is also measured with all-gathers of
-        the size of Base's collectives at the bench's batch (the rate used to predict)."""
+        the size of Base's collectives at the bench's batch (the rate used to predict).
+
+        ``fit`` = (mode, live engine, its measured compute ms per block): the one number
+        fitted on this machine, as the tokens per forward are for Table 5. The roofline
+        of the rates measured inside that engine's ranks, times ``compute_scale``, is
+        the measured figure; every other figure is predicted with that scale."""
         from runtime.launcher import WorkerGroup
 
         tp = max(cfg.tps)
@@ -79,9 +86,17 @@ class CostModelPlanner:
             / base.collectives_per_block()
         )
         self.message_bytes = int(per_collective / (tp - 1))
+        if fit is not None:
+            mode, engine, measured_ms = fit
+            self.profile = replace(
+                self.profile, **_slowest(engine.workers.run(probe_compute, self.shapes, 3))
+            )
+            roofline_ms = self._compute_ms(load_spec(cfg.spec), tp, mode, cfg, None, {})
+            self.compute_scale = measured_ms / roofline_ms
+            self.fitted = {"mode": mode, "measured_ms": measured_ms, "roofline_ms": roofline_ms}
         rates = {}
         with WorkerGroup(tp, timeout_s=300, link=LinkSpec(1e9)) as group:
-            if calibrating:  # the compute rates on this model's own matrices
+            if calibrating and fit is None:  # the compute rates on this model's matrices
                 self.profile = replace(
                     self.profile, **_slowest(group.run(probe_compute, self.shapes))
                 )
@@ -89,7 +104,7 @@ class CostModelPlanner:
                 target: dict[str, float] = {}
                 if entry.startswith(RATIO):
                     ratio = float(entry[len(RATIO) :])
-                    wanted = link_rate_for_ratio(base, self.profile, work, ratio)
+                    wanted = link_rate_for_ratio(base, self._scaled(self.profile), work, ratio)
                     nominal = self._tc_rate_for(group, wanted)
                     target = {"comm_over_compute": ratio, "wanted_bytes_per_s": wanted}
                 else:
@@ -135,24 +150,37 @@ class CostModelPlanner:
             "profile": asdict(self.profile) if self.profile else None,
             "links": self.targets,
             "rates_measured_per_row": {label: self._rates(label) for label in self.samples},
+            "compute_scale": self.compute_scale,
+            "fitted_on": self.fitted,
         }
 
-    def predict(self, spec: Any, v: Any, cfg: Any) -> dict[str, float]:
-        """Per block, ms: compute (with the block's share of the LM head), comm, total,
-        at the rate measured across ``v``'s link."""
-        dev = replace(
-            self.profile,
-            link_bytes_per_s=self.targets[v.link]["measured_bytes_per_s"],
-            **self._rates(v.label),
+    def _scaled(self, dev: DeviceProfile) -> DeviceProfile:
+        """``dev`` with every compute term ``compute_scale`` times slower."""
+        k = self.compute_scale
+        return replace(
+            dev,
+            memory_bytes_per_s=dev.memory_bytes_per_s / k,
+            matmul_flops_per_s=dev.matmul_flops_per_s / k,
+            op_overhead_s=dev.op_overhead_s * k,
         )
-        mp = build_plan(spec, v.tp, modes=(v.mode,)).modes[v.mode]
-        work = bench_workload(cfg, v.batch)
-        pred = predict_block(mp, dev, work)
-        vocab_local = mp.lm_head_gather_elements // v.tp
+
+    def _compute_ms(self, spec: Any, tp: int, mode: str, cfg: Any, batch, rates: dict) -> float:
+        """The roofline compute of one block (with its share of the LM head), unscaled."""
+        dev = replace(self.profile, **rates)
+        mp = build_plan(spec, tp, modes=(mode,)).modes[mode]
+        work = bench_workload(cfg, batch)
+        vocab_local = mp.lm_head_gather_elements // tp
         head = gemm_seconds(work.tokens, spec.model.hidden_size, vocab_local, mp.dtype_bytes, dev)
-        compute = pred.compute_s + head / mp.num_layers
-        return {
-            "compute_ms": compute * 1e3,
-            "comm_ms": pred.comm_s * 1e3,
-            "total_ms": (compute + pred.comm_s) * 1e3,
-        }
+        return (predict_block(mp, dev, work).compute_s + head / mp.num_layers) * 1e3
+
+    def predict(self, spec: Any, v: Any, cfg: Any) -> dict[str, float]:
+        """Per block, ms: compute (with the block's share of the LM head; roofline of the
+        rates measured around ``v``'s runs, times the fitted scale), comm at the rate
+        measured across ``v``'s link, total."""
+        compute = self.compute_scale * self._compute_ms(
+            spec, v.tp, v.mode, cfg, v.batch, self._rates(v.label)
+        )
+        dev = replace(self.profile, link_bytes_per_s=self.targets[v.link]["measured_bytes_per_s"])
+        mp = build_plan(spec, v.tp, modes=(v.mode,)).modes[v.mode]
+        comm = predict_block(mp, dev, bench_workload(cfg, v.batch)).comm_s * 1e3
+        return {"compute_ms": compute, "comm_ms": comm, "total_ms": compute + comm}
