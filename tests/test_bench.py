@@ -182,19 +182,19 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
         reps=1,
         serving=False,
         overlap=False,
-        links=("ratio:1", "300mbit"),
+        links=("ratio:0.2", "300mbit"),
     )
     planner = CostModelPlanner(profile=load_profile("a800-pcie"))
     results = run_bench(cfg, None, planner)
-    assert set(results["links"]) == {"ratio:1", "300mbit"}
+    assert set(results["links"]) == {"ratio:0.2", "300mbit"}
     for link in results["links"].values():
         assert link["probe"]["bytes_per_s"] > 0
-    assert results["links"]["300mbit"]["rate"] == "300mbit"
-    assert results["planner"]["links"]["ratio:1"]["comm_over_compute"] == 1.0
+    assert results["links"]["300mbit"]["rate"] == "300000000bit"
+    assert results["planner"]["links"]["ratio:0.2"]["comm_over_compute"] == 0.2
     assert {v["label"] for v in results["variants"]} == {
         f"{m} kv=dense tp2 link={link}"
         for m in ("deinfer", "base", "dense")
-        for link in ("ratio:1", "300mbit")
+        for link in ("ratio:0.2", "300mbit")
     }
     for v in results["variants"]:
         assert set(v["predicted"]) == {"compute_ms", "comm_ms", "total_ms"}
@@ -207,6 +207,6 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
             v["decode_tokens_per_s"]["median"] / base["decode_tokens_per_s"]["median"]
         )
     table = link_markdown(results)
-    assert table.count("| ratio:1 |") == 3 and table.count("| 300mbit |") == 3
+    assert table.count("| ratio:0.2 |") == 3 and table.count("| 300mbit |") == 3
     assert link_plot(results, tmp_path).is_file()
     assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []

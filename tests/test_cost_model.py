@@ -81,7 +81,7 @@ def test_link_rate_for_ratio_gives_that_ratio_back():
 def test_one_all_gather_below_a_row_count_the_ring_above_it():
     spec = load_spec(SPECS / "cpu-demo.yaml")
     mp = build_plan(spec, 2).modes["deinfer"]
-    costly_calls = replace(DEV, op_overhead_s=2e-3)
+    costly_calls = replace(DEV, memory_bytes_per_s=1e12, op_overhead_s=2e-4)
     start = overlap_from_rows(mp, costly_calls)
     assert start is not None and start > 1
     assert predict_block(mp, costly_calls, Workload(start // 2)).gather == "single"
