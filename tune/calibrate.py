@@ -102,6 +102,11 @@ def _probe_rank(rank: int, world: int, threads: int, matrices: int) -> dict[str,
     return result
 
 
+def slowest_rank(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """The slowest rank's figure of each measurement (highest time, lowest rate)."""
+    return {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
+
+
 def calibrate(
     tp: int = 2,
     threads: int = 1,
@@ -117,7 +122,6 @@ def calibrate(
 
     with WorkerGroup(tp, timeout_s=300, link=link) as group:
         ranks = group.run(_probe_rank, threads, matrices)
-    slowest = {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
     where = "loopback" if link is None else f"an emulated link of {link.describe()}"
     return DeviceProfile(
         name=name,
@@ -126,5 +130,5 @@ def calibrate(
             f"collectives over {where}"
         ),
         source="deinfer predict --calibrate (measured)",
-        **slowest,
+        **slowest_rank(ranks),
     )

@@ -127,11 +127,15 @@ def _gather_choice(lp: LayerPlan, tp: int, work: Workload, dev: DeviceProfile, b
     return "ring-overlap" if ring < single else "single"
 
 
+def _commonest(mp: ModePlan) -> LayerPlan:
+    """The layer shape most layers have: the one a per-mode choice is made for."""
+    return max(mp.layer_plans, key=lambda lp: len(lp.layers))
+
+
 def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPrediction:
     """The mean block of ``mp`` (layers weighted by count) at ``work`` on ``dev``."""
     b = mp.dtype_bytes
     gemm = attention = overhead = comm = moved = count = 0.0
-    gather = "-"
     for lp in mp.layer_plans:
         share = len(lp.layers) / mp.num_layers
         gemms = local_gemms(lp)
@@ -141,7 +145,6 @@ def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPred
         comm += share * comm_seconds(lp, mp.tp, work.tokens, dev, b)
         moved += share * sum(c.ring_elements_per_rank(mp.tp) for c in lp.collectives)
         count += share * len(lp.collectives)
-        gather = _gather_choice(lp, mp.tp, work, dev, b)
     return BlockPrediction(
         mode=mp.mode,
         tp=mp.tp,
@@ -151,7 +154,7 @@ def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPred
         comm_s=comm if mp.tp > 1 else 0.0,
         comm_bytes_per_rank=moved * work.tokens * b if mp.tp > 1 else 0.0,
         collectives=round(count),
-        gather=gather if mp.mode == "deinfer" else "-",
+        gather=_gather_choice(_commonest(mp), mp.tp, work, dev, b) if mp.mode == "deinfer" else "-",
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from dsl import build_plan, load_spec
 from runtime.emulated_link import LinkSpec
-from tune.calibrate import calibrate, probe_compute
+from tune.calibrate import calibrate, probe_compute, slowest_rank
 from tune.cost_model import (
     Workload,
     gemm_seconds,
@@ -37,11 +37,6 @@ def bench_workload(cfg: Any, batch: int | None) -> Workload:
     prompt plus half the output."""
     rows = batch or min(cfg.num_requests, cfg.max_batch)
     return Workload(rows, cfg.prompt_len + cfg.output_len // 2)
-
-
-def _slowest(ranks: list[dict[str, float]]) -> dict[str, float]:
-    """The slowest rank's figure of each rate (highest time, lowest rate)."""
-    return {key: (max if key.endswith("_s") else min)(r[key] for r in ranks) for key in ranks[0]}
 
 
 class CostModelPlanner:
@@ -69,15 +64,16 @@ class CostModelPlanner:
         calibrating = self.profile is None
         if calibrating:
             self.profile = calibrate(tp, cfg.threads or self.threads)
-        plan = build_plan(load_spec(cfg.spec), tp, modes=tuple(cfg.modes))
+        spec = load_spec(cfg.spec)
+        plan = build_plan(spec, tp, modes=tuple(dict.fromkeys((*cfg.modes, "base"))))
         # The matrices this bench's ranks multiply: what their streaming rate is measured on.
         self.shapes = [
             (n_in, n_out)
-            for mp in plan.modes.values()
-            for lp in mp.layer_plans
+            for mode in cfg.modes
+            for lp in plan.modes[mode].layer_plans
             for _, n_in, n_out in local_gemms(lp)
         ]
-        base = build_plan(load_spec(cfg.spec), tp, modes=("base",)).modes["base"]
+        base = plan.modes["base"]
         work = bench_workload(cfg, cfg.batches[0] if cfg.batches else None)
         per_collective = (
             base.ring_elements_per_rank_per_token_per_block()
@@ -89,16 +85,16 @@ class CostModelPlanner:
         if fit is not None:
             mode, engine, measured_ms = fit
             self.profile = replace(
-                self.profile, **_slowest(engine.workers.run(probe_compute, self.shapes, 3))
+                self.profile, **slowest_rank(engine.workers.run(probe_compute, self.shapes, 3))
             )
-            roofline_ms = self._compute_ms(load_spec(cfg.spec), tp, mode, cfg, None, {})
+            roofline_ms = self._compute_ms(spec, tp, mode, cfg, None, {})
             self.compute_scale = measured_ms / roofline_ms
             self.fitted = {"mode": mode, "measured_ms": measured_ms, "roofline_ms": roofline_ms}
         rates = {}
         with WorkerGroup(tp, timeout_s=300, link=LinkSpec(1e9)) as group:
             if calibrating and fit is None:  # the compute rates on this model's matrices
                 self.profile = replace(
-                    self.profile, **_slowest(group.run(probe_compute, self.shapes))
+                    self.profile, **slowest_rank(group.run(probe_compute, self.shapes))
                 )
             for entry in cfg.links:
                 target: dict[str, float] = {}
@@ -137,7 +133,7 @@ class CostModelPlanner:
         this machine's speed drifts by up to 2x over minutes); ``predict`` uses the
         median of what was measured around ``v``'s runs."""
         ranks = engine.workers.run(probe_compute, self.shapes, 3)
-        self.samples.setdefault(v.label, []).append(_slowest(ranks))
+        self.samples.setdefault(v.label, []).append(slowest_rank(ranks))
 
     def _rates(self, label: str) -> dict[str, float]:
         samples = self.samples.get(label, [])
