@@ -87,6 +87,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_bench(sub)
 
 
+def _add_compress(sub: argparse._SubParsersAction) -> None:
+    from runtime.compress.cli import add_eval, add_fidelity, add_import
+
+    add_import(sub)
+    add_eval(sub)
+    add_fidelity(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
@@ -97,6 +105,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo,
     _add_bench,
     _add_predict,
+    _add_compress,
 )
 
 

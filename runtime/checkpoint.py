@@ -140,7 +140,7 @@ class CheckpointReader:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no .safetensors file in {self.folder}")
-        self._handles = {f: safe_open(self.folder / f, framework="pt") for f in files}
+        self._handles = {f: _open(self.folder / f) for f in files}
         self.file_of: dict[str, str] = {}
         for f, handle in self._handles.items():
             for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
@@ -177,6 +177,18 @@ class CheckpointReader:
         if not torch.isfinite(t).all():
             raise CheckpointError(f"tensor {name} contains NaN or Inf")
         return t
+
+
+def _open(path: Path):
+    """A safetensors file opened lazily; anything else (a pickle renamed .safetensors, a
+    truncated file) is one clear error, and is never unpickled."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: listed in the index but missing")
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: not a readable safetensors file ({reason})") from None
 
 
 def validate(reader: CheckpointReader, spec: Spec) -> None:

