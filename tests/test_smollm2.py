@@ -62,14 +62,14 @@ def decomposed(smollm2, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         args = ["decompose", "--model", str(smollm2), "--spec", str(spec), "--out", str(ck)]
         args += ["--method", method, "--quiet"]
         if method != "svd":
-            args += ["--calib", "self:16", "--calib-len", "96"]
+            args += ["--calib", "self:64", "--calib-len", "128"]  # as the README table
         assert cli(args) == 0
         out[method] = (spec, ck)
     return out
 
 
 @pytest.mark.parametrize("method", ["svd", "asvd", "svd-llm"])
-def test_every_method_serves_transformers_tokens_in_every_mode_at_tp_1_to_3(decomposed, method):
+def test_every_method_serves_transformers_tokens_in_every_mode_at_tp_1_and_3(decomposed, method):
     spec_path, ck = decomposed[method]
     ref = load_transformers(load_spec(spec_path), ck)
     from transformers import AutoTokenizer
@@ -78,7 +78,7 @@ def test_every_method_serves_transformers_tokens_in_every_mode_at_tp_1_to_3(deco
     with torch.no_grad():
         want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
     want = want[0, len(ids) :].tolist()
-    for tp in (1, 2, 3):
+    for tp in (1, 3):  # 9 heads: tp 2 cannot split them (the spec loader says so)
         for mode in ("deinfer", "base", "dense"):
             with LLM(spec_path, ck, tp=tp, mode=mode) as llm:
                 got = llm.generate([ids], SamplingParams(max_tokens=8))[0].token_ids
@@ -88,7 +88,7 @@ def test_every_method_serves_transformers_tokens_in_every_mode_at_tp_1_to_3(deco
 def test_svd_llm_at_20_percent_keeps_paris_and_a_low_kl(smollm2, decomposed, capsys):
     spec_path, ck = decomposed["svd-llm"]
     args = ["eval", "--checkpoint", str(ck), "--spec", str(spec_path), "--reference"]
-    assert cli([*args, str(smollm2), "--self", "8", "--len", "96", "--json", "--tp", "2"]) == 0
+    assert cli([*args, str(smollm2), "--self", "8", "--len", "96", "--json", "--tp", "3"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["checkpoint"]["continuations"][0].startswith(" Paris")
     assert result["checkpoint"]["kl"] <= 1.0
