@@ -54,6 +54,11 @@ HF_ACTIVATIONS = {
 }
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer transformers can load."""
+    return any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():

@@ -219,10 +219,9 @@ class LLM:
 
     @staticmethod
     def _tokenizer(checkpoint: Path):
-        if (
-            not (checkpoint / "tokenizer.json").is_file()
-            and not (checkpoint / "tokenizer.model").is_file()
-        ):
+        from runtime.decompose import has_tokenizer
+
+        if not has_tokenizer(checkpoint):
             return None
         from transformers import AutoTokenizer
 

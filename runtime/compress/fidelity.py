@@ -17,6 +17,7 @@ import torch
 
 from dsl.errors import UserError
 from runtime.compress.calibration import file_texts, sample_sequences, text_sequences
+from runtime.decompose import has_tokenizer
 
 DEFAULT_PROMPTS = ("The capital of France is",)
 
@@ -50,7 +51,7 @@ def dense_reference(model_dir: str | Path, cfg: EvalConfig) -> Reference:
     import transformers
 
     tokenizer = None
-    if any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+    if has_tokenizer(Path(model_dir)):
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     elif cfg.text or cfg.prompts not in ((), DEFAULT_PROMPTS):
         raise UserError(f"{model_dir}: no tokenizer, so no --text or --prompt (use --self N)")

@@ -111,20 +111,38 @@ class SvdLlmLayout(Layout):
         return v, u, bias
 
 
-class AsvdLayout(Layout):
+class RankedLayout(Layout):
+    """A layout whose config.json maps each decomposed module path to its rank(s)."""
+
+    RANKS_KEY = ""
+    TOOL = ""
+    MARKER = ""  # a tensor suffix only a decomposed module has
+
     def __init__(self, reader: CheckpointReader, config: dict[str, Any]) -> None:
         super().__init__(reader, config)
-        ranks = config.get("truncation_ranks")
+        ranks = config.get(self.RANKS_KEY)
         if not isinstance(ranks, dict):
-            raise UserError("config.json has no truncation_ranks mapping (not an ASVD checkpoint?)")
+            raise UserError(
+                f"config.json has no {self.RANKS_KEY} mapping (not a {self.TOOL} checkpoint?)"
+            )
         self.ranks = ranks
 
-    def factors(self, module: str) -> Factors | None:
+    def ranks_of(self, module: str) -> Any:
+        """The config's rank entry of ``module``; None when it stays dense."""
         if module not in self.ranks:
-            if self.has(f"{module}.BLinear.weight"):
-                raise UserError(f"config.json truncation_ranks: missing {module}")
+            if self.has(f"{module}.{self.MARKER}"):
+                raise UserError(f"config.json {self.RANKS_KEY}: missing {module}")
             return None
-        r = self.ranks[module]
+        return self.ranks[module]
+
+
+class AsvdLayout(RankedLayout):
+    RANKS_KEY, TOOL, MARKER = "truncation_ranks", "ASVD", "BLinear.weight"
+
+    def factors(self, module: str) -> Factors | None:
+        r = self.ranks_of(module)
+        if r is None:
+            return None
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise UserError(f"config.json truncation_ranks.{module}: expected a positive integer")
         v = self.tensor(f"{module}.BLinear.weight", (r, None))
@@ -133,20 +151,13 @@ class AsvdLayout(Layout):
         return v, u, self.tensor(bias_name) if self.has(bias_name) else None
 
 
-class PaluLayout(Layout):
-    def __init__(self, reader: CheckpointReader, config: dict[str, Any]) -> None:
-        super().__init__(reader, config)
-        ranks = config.get("head_wise_ranks")
-        if not isinstance(ranks, dict):
-            raise UserError("config.json has no head_wise_ranks mapping (not a Palu checkpoint?)")
-        self.ranks = ranks
+class PaluLayout(RankedLayout):
+    RANKS_KEY, TOOL, MARKER = "head_wise_ranks", "Palu", "VT.weight"
 
     def factors(self, module: str) -> Factors | None:
-        if module not in self.ranks:
-            if self.has(f"{module}.VT.weight"):
-                raise UserError(f"config.json head_wise_ranks: missing {module}")
+        groups = self.ranks_of(module)
+        if groups is None:
             return None
-        groups = self.ranks[module]
         if (
             not isinstance(groups, list)
             or not groups

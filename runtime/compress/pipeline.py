@@ -26,6 +26,7 @@ from runtime.compress.calibration import (
     collect_input_stats,
 )
 from runtime.compress.factorize import METHODS, InputStats, full_svd
+from runtime.decompose import has_tokenizer
 
 # Calibration sequences the sensitivity of each matrix is measured on (4 × 128 tokens
 # took ~1 s per matrix on SmolLM2-135M here, the SVD included).
@@ -73,9 +74,7 @@ class Calibrated:
 
             cal = self.calibration
             tokenizer = None
-            if (self.model_dir / "tokenizer.json").is_file() or (
-                self.model_dir / "tokenizer.model"
-            ).is_file():
+            if has_tokenizer(self.model_dir):
                 tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.model_dir))
             self.sequences = calibration_sequences(
                 cal.source, self.dense_model(), tokenizer, cal.length, cal.seed
