@@ -95,6 +95,12 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     add_fidelity(sub)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from runtime.serve.cli import add_serve
+
+    add_serve(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
@@ -106,6 +112,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_bench,
     _add_predict,
     _add_compress,
+    _add_serve,
 )
 
 

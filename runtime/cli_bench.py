@@ -51,12 +51,73 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         "200mbit, or ratio:X for the rate at which Base's comm/compute per block is X "
         "(by the cost model, after calibrating this machine); needs root and iproute2",
     )
+    p.add_argument(
+        "--serve",
+        default=None,
+        metavar="URL|start",
+        help="the serving benchmark through HTTP: load a running OpenAI-compatible server at "
+        "URL, or 'start': run deinfer serve for each of --modes (default deinfer,base,dense) "
+        "at one --tps value (default 2) on --spec (default specs/cpu-smoke.yaml), and the "
+        "same load in-process",
+    )
+    p.add_argument("--rates", default=None, help="--serve: requests/s, e.g. 2,8,inf")
+    p.add_argument("--num-prompts", type=int, default=None, help="--serve: requests per rate")
+    p.add_argument("--prompt-len", type=int, default=None, help="--serve: prompt tokens")
+    p.add_argument("--output-len", type=int, default=None, help="--serve: output tokens")
+    p.add_argument("--dataset", default=None, help="--serve: JSONL of {prompt, max_tokens}")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=run)
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dsl.errors import UserError
+    from runtime.serve.bench_report import markdown, plot
+    from runtime.serve.bench_serve import ServeBenchConfig, bench_modes, bench_url
+
+    if args.tps is not None and len(args.tps) != 1:
+        raise UserError("--serve runs one tp degree; give one --tps value")
+    overrides = {
+        "spec": args.spec,
+        "modes": tuple(args.modes.split(",")) if args.modes else None,
+        "tp": args.tps[0] if args.tps else None,
+        "rates": tuple(float(x) for x in args.rates.split(",")) if args.rates else None,
+        "num_prompts": args.num_prompts,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "reps": args.reps,
+        "dataset": args.dataset,
+    }
+    cfg = replace(ServeBenchConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    if any(not r > 0 for r in cfg.rates) or cfg.num_prompts < 1 or cfg.reps < 1:
+        raise UserError("--rates must be positive, --num-prompts and --reps at least 1")
+    bar = tqdm(desc="bench --serve", unit="run", file=sys.stderr)
+
+    def progress(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+
+    if args.serve == "start":
+        results = bench_modes(cfg, progress)
+    else:
+        results = bench_url(args.serve, cfg, progress)
+    bar.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    png = None if args.no_plots else plot(results, args.out)
+    print(table)
+    written = [args.out / "results.json", args.out / "results.md", *([png] if png else [])]
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return run_serve(args)
     from tqdm import tqdm
 
     from runtime.bench import preset, run_bench

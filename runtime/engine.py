@@ -50,6 +50,7 @@ class RequestOutput:
     arrival: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter per token
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, if asked
 
     @property
     def ttft(self) -> float | None:
@@ -257,12 +258,14 @@ class LLM:
             )
             for s in seqs
         ]
-        tokens = self.workers.call("step", inputs, is_prefill)[0]
+        tokens, logprobs = self.workers.call("step", inputs, is_prefill)[0]
         now = time.perf_counter()
         events = []
         finished = []
-        for s, token in zip(seqs, tokens, strict=True):
+        for i, (s, token) in enumerate(zip(seqs, tokens, strict=True)):
             s.output.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                s.logprobs.append(logprobs[i])
             events.append((s, token, now))
             if token in s.params.stop_token_ids:
                 self.scheduler.finish(s, "stop")
@@ -273,6 +276,16 @@ class LLM:
         if finished:
             self.workers.call("release", finished)
         return events
+
+    def unfit_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run on this engine (too long for
+        max_seq_len, more blocks than the pool has), or None."""
+        return self.scheduler.unfit_reason(prompt_len, max_tokens)
+
+    def abort(self, seq: Sequence) -> None:
+        """End a request now, waiting or running; its blocks return to the pool."""
+        if self.scheduler.abort(seq):
+            self.workers.call("release", [seq.id])
 
     def score(self, prompt: str | list[int]) -> torch.Tensor:
         """Log-probabilities [L, vocab] of the next token after each prompt position
@@ -335,6 +348,7 @@ class LLM:
                 arrival=start,
                 token_times=times[i],
                 num_preemptions=s.num_preemptions,
+                logprobs=s.logprobs,
             )
             for i, s in enumerate(seqs)
         ]

@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -97,6 +98,9 @@ def _worker(
     master: str = "127.0.0.1",
     netns: str | None = None,
 ):
+    # Ctrl-C reaches the whole process group; the driver alone decides when ranks stop
+    # (a server finishes its requests first), so a rank ignores it and waits for its task.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if netns is not None:  # an emulated link: this rank's own network namespace
             enter_namespace(netns)

@@ -27,7 +27,7 @@ from runtime.generated import load_generated
 from runtime.kv_cache import LayerCache, allocate, layer_cache_kind
 from runtime.layers import Batch
 from runtime.model import TPModel
-from runtime.sampling import make_generator, sample
+from runtime.sampling import TokenLogprobs, make_generator, sample, token_logprobs
 from runtime.sequence import SamplingParams
 from runtime.shm_allreduce import SharedMemoryAllReduce
 from runtime.shm_allreduce import available as shm_available
@@ -36,6 +36,10 @@ from runtime.weights import load_rank_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PATHS = ("static", "dynamic")
+
+
+# What a step returns: a token per sequence, and log-probabilities where any was asked.
+Sampled = tuple[list[int], list[TokenLogprobs | None] | None]
 
 
 def default_path() -> str:
@@ -200,7 +204,7 @@ class ModelRunner:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[SeqInput]) -> list[int]:
+    def prefill(self, seqs: list[SeqInput]) -> Sampled:
         """Whole prompts, batched, in chunks of at most ``prefill_chunk`` tokens; a chunk
         that continues a prompt attends to the part already in the cache."""
         last_hidden: dict[int, torch.Tensor] = {}
@@ -282,7 +286,7 @@ class ModelRunner:
     # --- decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, seqs: list[SeqInput]) -> list[int]:
+    def decode(self, seqs: list[SeqInput]) -> Sampled:
         if self.static is not None:
             return self._sample(seqs, self.static.decode(seqs, self._slot))
         return self._sample(seqs, self._decode_dynamic(seqs))
@@ -317,13 +321,17 @@ class ModelRunner:
 
     # --- sampling ----------------------------------------------------------------------
 
-    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> list[int]:
+    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> Sampled:
         generators = []
         for s in seqs:
             if s.params.temperature > 0 and s.id not in self.generators:
                 self.generators[s.id] = make_generator(s.params, s.id)
             generators.append(self.generators.get(s.id))
-        return sample(logits, [s.params for s in seqs], generators)
+        tokens = sample(logits, [s.params for s in seqs], generators)
+        counts = [s.params.logprobs for s in seqs]
+        if all(n is None for n in counts):
+            return tokens, None
+        return tokens, token_logprobs(logits, tokens, counts)
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
@@ -352,7 +360,7 @@ class ModelRunner:
             torch.set_num_threads(count)
         return torch.get_num_threads()
 
-    def step(self, seqs: list[SeqInput], is_prefill: bool) -> list[int]:
+    def step(self, seqs: list[SeqInput], is_prefill: bool) -> Sampled:
         rows = sum(len(s.tokens) for s in seqs) if is_prefill else len(seqs)
         # The ring pays a call per step that one all-gather does not; it wins only once
         # the up GEMM it hides is worth more (``deinfer predict`` says from how many rows).

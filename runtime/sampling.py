@@ -2,9 +2,12 @@
 (temperature, top-k, top-p) by one sort and one cumulative sum. Each request owns a
 seeded generator that draws its one uniform number per step, so seeded sampling is
 deterministic, independent of the other requests in the batch and identical on every
-rank."""
+rank. Log-probabilities, when a request asks, are those of the model's distribution
+(before temperature, top-k and top-p), as the OpenAI API reports them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,3 +54,28 @@ def _sample_rows(
     u = torch.cat([torch.rand(1, generator=g) for g in generators])[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)
     return order.gather(1, index)[:, 0]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # of the chosen token
+    top: tuple[tuple[int, float], ...]  # the most likely tokens and theirs, best first
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], counts: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """For each row whose count is not None: the chosen token's log-probability and the
+    ``count`` most likely tokens'."""
+    rows = [i for i, n in enumerate(counts) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float().cpu(), dim=-1)
+    widest = max(counts[i] for i in rows)
+    best_values, best_ids = logp.topk(widest, dim=-1) if widest else (logp[:, :0],) * 2
+    for j, i in enumerate(rows):
+        n = counts[i]
+        top = zip(best_ids[j, :n].tolist(), best_values[j, :n].tolist(), strict=True)
+        out[i] = TokenLogprobs(float(logp[j, tokens[i]]), tuple(top))
+    return out

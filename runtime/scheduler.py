@@ -24,26 +24,45 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    def unfit_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run here, or None when it can."""
+        limit = self.config.max_seq_len
+        total = prompt_len + max_tokens
+        if prompt_len == 0:
+            return "empty prompt"
+        if total > limit:
+            return (
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_seq_len {limit}"
+            )
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            return (
+                f"needs {self.blocks.blocks_needed(total)} KV blocks, the pool "
+                f"has {self.blocks.num_blocks}"
+            )
+        return None
+
     def add(self, seq: Sequence) -> None:
         """Queue a request; one that can never fit ends at once with an error."""
-        limit = self.config.max_seq_len
-        total = len(seq.prompt) + seq.params.max_tokens
-        if not seq.prompt:
-            self._reject(seq, "empty prompt")
-        elif total > limit:
-            self._reject(
-                seq,
-                f"prompt ({len(seq.prompt)}) + max_tokens "
-                f"({seq.params.max_tokens}) exceeds max_seq_len {limit}",
-            )
-        elif self.blocks.blocks_needed(total) > self.blocks.num_blocks:
-            self._reject(
-                seq,
-                f"needs {self.blocks.blocks_needed(total)} KV blocks, the pool "
-                f"has {self.blocks.num_blocks}",
-            )
+        reason = self.unfit_reason(len(seq.prompt), seq.params.max_tokens)
+        if reason is not None:
+            self._reject(seq, reason)
         else:
             self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> bool:
+        """End a waiting or running request now (its blocks freed); False if it had
+        already finished."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free_sequence(seq)
+        else:
+            return False
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+        return True
 
     @staticmethod
     def _reject(seq: Sequence, reason: str) -> None:
