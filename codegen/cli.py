@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 
 from dsl import MODES, build_plan, load_spec
-from dsl.errors import UserError
+from dsl.errors import RuntimeFailure, UserError
 from dsl.report import plan_json, plan_table, shards_table
 
 EXIT_USAGE = 2
@@ -121,19 +122,37 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: engines, ranks and links close
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so it unwinds like Ctrl-C: engines, ranks,
+    links and folders close on the way out."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def run_parser(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return args.func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if exc.details and os.environ.get("DEINFER_TRACEBACK"):
+            print(exc.details, file=sys.stderr, end="")
+        elif exc.details:
+            print("  (DEINFER_TRACEBACK=1 shows the rank's traceback)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

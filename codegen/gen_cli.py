@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from codegen.folder import check_owned
 from codegen.generate import generate, stale_files, summary_line, write_atomically
 from dsl import parse_spec
 from dsl.errors import SpecError
@@ -25,6 +26,11 @@ def add_gen_arguments(p: argparse.ArgumentParser) -> None:
         "--device-name",
         default=None,
         help="GPU name for tuned configs (default: the local GPU, if any)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a generated folder that another spec file (of the same name) wrote",
     )
     p.add_argument(
         "--check",
@@ -47,7 +53,8 @@ def _target(spec_path: Path, text: str, args: argparse.Namespace, check: bool = 
     device = args.device_name
     if check and device is None:
         device = _manifest_device(out)  # check against what the folder was made for
-    return generate(text, default_name=spec_path.stem, device=device), out
+    gen = generate(text, default_name=spec_path.stem, device=device, spec_file=spec_path.name)
+    return gen, out
 
 
 def _manifest_device(out: Path) -> str | None:
@@ -67,6 +74,7 @@ def run_gen(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = Path(args.spec)
     gen, out = _target(path, read_spec_text(path), args)
+    check_owned(out, path.name, force=args.force)
     write_atomically(gen.files, out)
     print(summary_line(gen, out))
     print(f"  done in {time.perf_counter() - start:.1f} s")

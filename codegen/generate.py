@@ -4,9 +4,6 @@ the manifest and a README, all in memory; write atomically; or compare."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +11,7 @@ from typing import Any
 from codegen import __version__
 from codegen.families import down_proj, gemm_fixed, kv_cache, latent_up, layers, paged_attention
 from codegen.families.context import GenContext
+from codegen.folder import stale_files, write_atomically
 from codegen.render import KernelFile, render, sha256_text, template_hash
 from dsl import Spec, build_plan, parse_spec
 from dsl.report import plan_json
@@ -31,10 +29,15 @@ class Generated:
 
 
 def generate(
-    spec_text: str, default_name: str, device: str | None = None, config_root: Path = CONFIG_ROOT
+    spec_text: str,
+    default_name: str,
+    device: str | None = None,
+    config_root: Path = CONFIG_ROOT,
+    spec_file: str | None = None,
 ) -> Generated:
     """Render everything for a spec; raises ``SpecError`` before anything is written.
-    ``device`` selects tuned meta-parameters from the store at ``config_root``."""
+    ``device`` selects tuned meta-parameters from the store at ``config_root``;
+    ``spec_file`` (default ``<default_name>.yaml``) is recorded as the folder's owner."""
     spec = parse_spec(spec_text, default_name=default_name)
     device = normalise_device_name(device) if device else None
     ctx = GenContext(spec=spec, plan=build_plan(spec), device=device, config_root=config_root)
@@ -46,6 +49,7 @@ def generate(
     )
     summary = plan_json(ctx.plan)
     manifest = _manifest(ctx, spec_hash, kernels, summary)
+    manifest["spec"]["file"] = spec_file or f"{default_name}.yaml"
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     files["README.md"] = _readme(ctx, kernels, summary)
     return Generated(spec=spec, files=dict(sorted(files.items())), kernels=kernels, plan=summary)
@@ -130,34 +134,4 @@ def summary_line(gen: Generated, out_dir: Path) -> str:
     )
 
 
-def write_atomically(files: dict[str, str], out_dir: Path) -> None:
-    """Write into a fresh sibling folder, then swap it in: never a half-written folder."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        for rel, content in files.items():
-            (tmp / rel).write_text(content)
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def stale_files(files: dict[str, str], out_dir: Path) -> list[str]:
-    """Paths under ``out_dir`` that differ from, lack, or are not in ``files``."""
-    stale = []
-    for rel, content in files.items():
-        path = out_dir / rel
-        if not path.is_file() or path.read_text() != content:
-            stale.append(str(path))
-    if out_dir.is_dir():
-        for path in sorted(out_dir.iterdir()):
-            if path.name not in files and path.name != "__pycache__":
-                stale.append(str(path))
-    return stale
+__all__ = ["Generated", "generate", "stale_files", "summary_line", "write_atomically"]

@@ -17,7 +17,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Strings that reach emitted code are built from a fixed vocabulary and numbers; this
 # pattern has no quote, backslash, brace, '#' or newline, so no string can leave the
 # literal, comment or docstring it is placed in.
-SAFE_TEXT = re.compile(r"^[A-Za-z0-9_ .,:;|+=()\[\]/<>*-]*$")
+SAFE_TEXT = re.compile(r"[A-Za-z0-9_ .,:;|+=()\[\]/<>*-]*")  # fullmatch: "$" lets "\n" in
 
 
 class UnsafeValueError(ValueError):
@@ -46,7 +46,7 @@ def check_safe(value: Any, path: str = "values") -> None:
             raise UnsafeValueError(f"{path}: non-finite number")
         return
     if isinstance(value, str):
-        if not SAFE_TEXT.match(value):
+        if not SAFE_TEXT.fullmatch(value):
             raise UnsafeValueError(f"{path}: text {value[:40]!r} is not from the vocabulary")
         return
     if isinstance(value, (list, tuple)):

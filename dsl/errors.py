@@ -12,3 +12,12 @@ class SpecError(UserError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}" if path else reason)
+
+
+class RuntimeFailure(RuntimeError):
+    """Something failed while running (a rank died, hung or raised): the CLI prints the
+    one-line message; ``details`` holds a traceback, shown with DEINFER_TRACEBACK=1."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details

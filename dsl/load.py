@@ -9,6 +9,8 @@ and missing keys, and every scalar for type and range. Each failure raises
 from __future__ import annotations
 
 import re
+import reprlib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,24 @@ from dsl.spec import (
 )
 
 MAX_SPEC_BYTES = 1 << 20  # real specs are a few KiB; a larger file is a mistake or an attack
-NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # always fullmatch: "$" lets "\n" in
+# A spec is a few hundred nodes; these bound what an untrusted file can make the parser
+# build (an alias "bomb" expands 9 aliases of 9 aliases... to 10**9 nodes) or recurse into.
+MAX_YAML_NODES = 20_000  # counted with every alias expanded
+MAX_YAML_DEPTH = 32
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 60
+_QUOTE.maxlist = _QUOTE.maxdict = 4
+_QUOTE.maxlevel = 2
+
+
+def _quote(value: Any) -> str:
+    """A bad value as an error message shows it: at most ~80 characters, whatever it is."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of {value.bit_length()} bits"  # str() of a huge int raises
+    return _QUOTE.repr(value)
+
+
 DENSE = "dense"
 
 # What each family implies unless the spec says otherwise (the HF configs' defaults).
@@ -81,15 +100,55 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that also rejects duplicate keys (a silent override hides typos)."""
+    """SafeLoader that also rejects duplicate keys (a silent override hides typos) and
+    trees deeper than MAX_YAML_DEPTH or larger than MAX_YAML_NODES once expanded."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                line = self.peek_event().start_mark.line + 1
+                reason = f"YAML nested deeper than {MAX_YAML_DEPTH} levels (line {line})"
+                raise SpecError("", reason)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):  # type: ignore[no-untyped-def]
+        node = super().get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise SpecError("", f"YAML has more than {MAX_YAML_NODES} nodes once aliases expand")
+        return node
+
+
+def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
+    """Nodes in the tree with every alias copied out (shared nodes counted per use)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = 1  # a cycle (only via a recursive alias) counts once
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, seen) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
+    seen[id(node)] = min(size, MAX_YAML_NODES + 1)
+    return seen[id(node)]
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: set = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, Hashable):
+            line = key_node.start_mark.line + 1
+            raise SpecError("", f"a {type(key).__name__} used as a mapping key at line {line}")
         if key in seen:
-            raise SpecError("", f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            line = key_node.start_mark.line + 1
+            raise SpecError("", f"duplicate key {_quote(key)} at line {line}")
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -120,12 +179,16 @@ def parse_spec(text: str, default_name: str = "spec") -> Spec:
     """Parse YAML text into a validated ``Spec``."""
     try:
         raw = yaml.load(text, Loader=_StrictLoader)
+    except SpecError:
+        raise
     except yaml.constructor.ConstructorError as exc:
         raise SpecError("", f"YAML construct not allowed: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise SpecError("", f"invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of 100,000 digits
+        raise SpecError("", f"unreadable YAML value: {str(exc)[:80]}") from None
     return _Parser().spec(raw, default_name)
 
 
@@ -137,11 +200,11 @@ class _Parser:
             raw, "", required={"model", "decomposition"}, optional={"name", "parallel", "runtime"}
         )
         name = top.get("name", default_name)
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise SpecError(
                 "name",
                 f"must match {NAME_PATTERN.pattern} (lowercase letters, digits, "
-                f"'.', '_', '-'), found {name!r}",
+                f"'.', '_', '-'), found {_quote(name)}",
             )
         model = self.model(top["model"], "model")
         parallel = self.parallel(top.get("parallel", {}), "parallel", model)
@@ -171,7 +234,7 @@ class _Parser:
         if isinstance(raw, bool) or not isinstance(raw, int):
             raise SpecError(path, f"expected an integer, found {_kind(raw)}")
         if not lo <= raw <= hi:
-            raise SpecError(path, f"must be between {lo} and {hi}, found {raw}")
+            raise SpecError(path, f"must be between {lo} and {hi}, found {_quote(raw)}")
         return raw
 
     @staticmethod
@@ -180,7 +243,7 @@ class _Parser:
             raise SpecError(path, f"expected a number, found {_kind(raw)}")
         if not (lo < raw if open_lo else lo <= raw) or not raw <= hi:
             bracket = "(" if open_lo else "["
-            raise SpecError(path, f"must be in {bracket}{lo}, {hi}], found {raw}")
+            raise SpecError(path, f"must be in {bracket}{lo}, {hi}], found {_quote(raw)}")
         return float(raw)
 
     @staticmethod
@@ -192,7 +255,7 @@ class _Parser:
     @staticmethod
     def choice(raw: Any, path: str, allowed: tuple[str, ...]) -> str:
         if not isinstance(raw, str) or raw not in allowed:
-            raise SpecError(path, f"must be one of {', '.join(allowed)}, found {raw!r}")
+            raise SpecError(path, f"must be one of {', '.join(allowed)}, found {_quote(raw)}")
         return raw
 
     # --- sections -------------------------------------------------------------------
@@ -369,7 +432,14 @@ class _Parser:
             if name in explicit:
                 defaults[name] = explicit[name]
             elif ratio is not None:
-                defaults[name] = rank_from_ratio(rule, ratio, model.matrix_shape(name), multiple)
+                shape = model.matrix_shape(name)
+                defaults[name] = rank_from_ratio(rule, ratio, shape, multiple)
+                if defaults[name] > min(shape):
+                    raise SpecError(
+                        _join(path, "rank_multiple"),
+                        f"{multiple} is larger than matrix {name}'s smaller dimension "
+                        f"{min(shape)} (its rank would exceed min(in, out))",
+                    )
             else:
                 raise SpecError(
                     _join(path, f"ranks.{name}"),
@@ -424,17 +494,18 @@ class _Parser:
         layers: list[int] = []
         for j, item in enumerate(raw):
             ipath = f"{path}[{j}]"
-            if isinstance(item, str) and re.fullmatch(r"\d+-\d+", item):
+            if isinstance(item, str) and re.fullmatch(r"\d{1,9}-\d{1,9}", item):
                 lo, hi = (int(x) for x in item.split("-"))
                 if lo > hi:
-                    raise SpecError(ipath, f"empty range {item!r}")
+                    raise SpecError(ipath, f"empty range {_quote(item)}")
                 span = range(lo, hi + 1)
             elif isinstance(item, int) and not isinstance(item, bool):
                 span = range(item, item + 1)
             else:
-                raise SpecError(ipath, f"expected a layer index or 'a-b' range, found {item!r}")
+                found = _quote(item)
+                raise SpecError(ipath, f"expected a layer index or 'a-b' range, found {found}")
             if span.start < 0 or span.stop > num_layers:
-                raise SpecError(ipath, f"layer out of range 0-{num_layers - 1}: {item!r}")
+                raise SpecError(ipath, f"layer out of range 0-{num_layers - 1}: {_quote(item)}")
             layers.extend(span)
         return layers
 
@@ -514,4 +585,4 @@ def _kind(value: Any) -> str:
         return f"a boolean ({value})"
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {_quote(value)}"

@@ -133,8 +133,8 @@ class CheckpointReader:
         if not self.folder.is_dir():
             raise CheckpointError(f"checkpoint folder not found: {self.folder}")
         index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_index(index, self.folder) if index.is_file() else None
+        if weight_map is not None:
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -144,7 +144,20 @@ class CheckpointReader:
         self.file_of: dict[str, str] = {}
         for f, handle in self._handles.items():
             for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if key in self.file_of:  # two copies: which is right is anyone's guess
+                    raise CheckpointError(
+                        f"tensor {key} is stored twice, in {self.file_of[key]} and {f}"
+                    )
+                if weight_map is not None and weight_map.get(key) != f:
+                    raise CheckpointError(
+                        f"tensor {key} is in {f}, but {index.name} puts it in "
+                        f"{weight_map.get(key, 'no file')}"
+                    )
                 self.file_of[key] = f
+        if weight_map is not None and (lost := sorted(set(weight_map) - set(self.file_of))):
+            raise CheckpointError(
+                f"{index.name} lists {lost[0]} in {weight_map[lost[0]]}, which does not hold it"
+            )
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -177,6 +190,27 @@ class CheckpointReader:
         if not torch.isfinite(t).all():
             raise CheckpointError(f"tensor {name} contains NaN or Inf")
         return t
+
+
+def _read_index(index: Path, folder: Path) -> dict[str, str]:
+    """The index's tensor -> shard map; every shard a plain file name inside ``folder``."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        reason = f"no {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+        raise CheckpointError(f"{index}: not a readable safetensors index ({reason})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+    root = folder.resolve()
+    for name, shard in weight_map.items():
+        where = (folder / shard).resolve()
+        if Path(shard).is_absolute() or where.parent != root:
+            raise CheckpointError(
+                f"{index}: tensor {name} points outside the checkpoint folder ({shard[:80]!r})"
+            )
+    return weight_map
 
 
 def _open(path: Path):

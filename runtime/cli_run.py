@@ -45,6 +45,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         help="run the ranks in network namespaces behind an emulated link, e.g. 200mbit "
         "(tc units; needs root and iproute2)",
     )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds a rank may go silent (stopped, hung) before the run stops naming it "
+        "(default 15)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from runtime.engine import LLM
-    from runtime.launcher import WorkerGroup
+    from runtime.launcher import HEARTBEAT_S, WorkerGroup
     from runtime.sequence import SamplingParams
 
     start = time.perf_counter()
@@ -74,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         path=args.path,
         threads=args.threads,
         link=args.link,
+        heartbeat_s=args.timeout_s or HEARTBEAT_S,
     ) as llm:
         print(
             f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "
@@ -94,7 +102,13 @@ def run(args: argparse.Namespace) -> int:
             and torch.distributed.get_rank() != 0
         ):
             return 0  # under torchrun, rank 0 reports
+        failed = 0
         for prompt, out in zip(prompts, outputs, strict=True):
+            if out.finish_reason and out.finish_reason.startswith("error"):
+                failed += 1
+                reason = out.finish_reason.removeprefix("error: ")
+                print(f"error: prompt {str(prompt)[:60]!r}: {reason}", file=sys.stderr)
+                continue
             shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
             print(f"{prompt!r} -> {shown}")
             itl = sum(out.itl) / len(out.itl) * 1e3 if out.itl else 0.0
@@ -103,4 +117,4 @@ def run(args: argparse.Namespace) -> int:
                 f"TTFT {out.ttft * 1e3:.1f} ms, mean ITL {itl:.1f} ms",
                 file=sys.stderr,
             )
-    return 0
+    return 2 if failed else 0

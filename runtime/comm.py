@@ -85,8 +85,15 @@ class Comm:
         if self.world > 1:
             if self.shm is not None and self.shm.fits(tensor):
                 self.shm.all_reduce(tensor)
-            else:
+            elif tensor.is_contiguous():
                 dist.all_reduce(tensor, group=self.group)
+            else:
+                # gloo sums storage, not logical elements: a transposed view (the eager
+                # GEMM returns one from 16 to 64 rows) on one rank and a plain tensor on
+                # another would be added element by wrong element.
+                dense = tensor.contiguous()
+                dist.all_reduce(dense, group=self.group)
+                tensor.copy_(dense)
         self._done("all_reduce", tensor.numel(), start, tag)
         return tensor
 

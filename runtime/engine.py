@@ -8,7 +8,7 @@ same gathered logits with the same per-request generator, and rank 0's answer is
 
 from __future__ import annotations
 
-import tempfile
+import numbers
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -19,15 +19,21 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from codegen.folder import cache_folder, stale_files
 from codegen.generate import generate as generate_code
-from codegen.generate import stale_files, write_atomically
 from dsl import parse_spec
 from dsl.errors import UserError
 from dsl.plan import MODES
 from runtime.block_manager import BlockManager
 from runtime.emulated_link import LinkSpec
 from runtime.kv_cache import bytes_per_block, layer_cache_kind
-from runtime.launcher import LocalWorker, WorkerGroup, init_from_env, under_torchrun
+from runtime.launcher import (
+    HEARTBEAT_S,
+    LocalWorker,
+    WorkerGroup,
+    init_from_env,
+    under_torchrun,
+)
 from runtime.model_runner import (
     DTYPES,
     PATHS,
@@ -104,6 +110,7 @@ class LLM:
         prefill_chunk: int = 512,
         shm_allreduce: bool = True,
         link: LinkSpec | str | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         spec_path = Path(spec)
         text = _spec_for_tp(spec_path.read_text(), tp)
@@ -118,8 +125,7 @@ class LLM:
                 "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
             )
         self.backend = backend or ("triton" if torch.cuda.is_available() else "torch")
-        self._tmp = tempfile.TemporaryDirectory(prefix="deinfer-gen-")
-        folder = self._generated_folder(text, spec_path.stem, Path(generated_root))
+        folder = self._generated_folder(text, spec_path.name, Path(generated_root))
         rt = self.spec.runtime
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(kv, mode, kv_memory_bytes)
@@ -154,8 +160,11 @@ class LLM:
             prefill_chunk=prefill_chunk,
             shm_allreduce=shm_allreduce,
         )
+        # Before any rank starts: a bad tokenizer must not leave ranks behind.
+        self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)
         tp_size = self.spec.parallel.tp
         init = (_run_runner, (config,))
+        self._owns_group = False
         if under_torchrun():
             # Every rank runs this driver; the scheduler is deterministic and every rank
             # samples the same tokens, so the ranks stay in lockstep.
@@ -163,14 +172,16 @@ class LLM:
                 raise UserError("emulated links need the built-in launcher, not torchrun")
             if not dist.is_initialized():
                 init_from_env(timeout_s)
+                self._owns_group = True
             if dist.get_world_size() != tp_size:
                 raise UserError(f"torchrun started {dist.get_world_size()} ranks, tp is {tp_size}")
             self.workers = LocalWorker(init, spmd=True)
         elif tp_size == 1:
             self.workers = LocalWorker(init)
         else:
-            self.workers = WorkerGroup(tp_size, timeout_s=timeout_s, init=init, link=self.link)
-        self.tokenizer = self._tokenizer(Path(checkpoint))
+            self.workers = WorkerGroup(
+                tp_size, timeout_s=timeout_s, init=init, link=self.link, heartbeat_s=heartbeat_s
+            )
         self._next_id = 0
 
     def describe_path(self) -> str:
@@ -195,15 +206,14 @@ class LLM:
             raise UserError("set_link needs an engine started with link=... at tp >= 2")
         return self.workers.set_link(self.link, probe)
 
-    def _generated_folder(self, text: str, stem: str, root: Path) -> Path:
-        """The committed generated/<name> when it is current for this spec, else a fresh one."""
-        gen = generate_code(text, default_name=stem)
+    def _generated_folder(self, text: str, spec_file: str, root: Path) -> Path:
+        """The committed generated/<name> when it is current for this spec, else the same
+        code in the user's cache (by hash: nothing temporary to clean up after a kill)."""
+        gen = generate_code(text, default_name=Path(spec_file).stem, spec_file=spec_file)
         committed = root / self.spec.name
         if committed.is_dir() and not stale_files(gen.files, committed):
             return committed
-        folder = Path(self._tmp.name) / self.spec.name
-        write_atomically(gen.files, folder)
-        return folder
+        return cache_folder(gen.files, self.spec.name)
 
     def _blocks_for_budget(self, kv: str, mode: str, budget: int) -> int:
         from dsl import build_plan
@@ -219,14 +229,20 @@ class LLM:
         return max(1, min(wanted, budget // max(1, per_block)))
 
     @staticmethod
-    def _tokenizer(checkpoint: Path):
+    def _tokenizer(checkpoint: Path, vocab: int):
         from runtime.decompose import has_tokenizer
 
         if not has_tokenizer(checkpoint):
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(checkpoint))
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        if len(tokenizer) > vocab:
+            raise UserError(
+                f"the tokenizer in {checkpoint} has {len(tokenizer)} tokens, more than the "
+                f"model's vocabulary of {vocab} (its ids from {vocab} up have no embedding)"
+            )
+        return tokenizer
 
     # --- requests ----------------------------------------------------------------------
 
@@ -235,7 +251,14 @@ class LLM:
             if self.tokenizer is None:
                 raise UserError("text prompts need a tokenizer in the checkpoint; give token ids")
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        vocab = self.spec.model.vocab_size
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise UserError(f"prompt token {i} is {str(t)[:40]!r}: token ids are integers")
+            if not 0 <= t < vocab:
+                raise UserError(f"prompt token {i} is {t}; the vocabulary has ids 0 to {vocab - 1}")
+        return [int(t) for t in ids]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=params)
@@ -311,7 +334,11 @@ class LLM:
     def _submit(self, prompts, params) -> list[Sequence]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        return [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if len(params) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        # Every prompt checked before any is queued: a bad one changes nothing.
+        encoded = [self._encode(p) for p in prompts]
+        return [self.add_request(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
 
     def stream(
         self,
@@ -355,7 +382,11 @@ class LLM:
 
     def close(self) -> None:
         self.workers.close()
-        self._tmp.cleanup()
+        if self._owns_group and dist.is_initialized():
+            # Under torchrun: leave together and take the group down, so no rank exits
+            # while a peer's gloo threads still talk to it (that aborts the process).
+            dist.barrier()
+            dist.destroy_process_group()
 
     def __enter__(self) -> LLM:
         return self

@@ -5,30 +5,76 @@
 run functions sent to them: ``group.run(fn, *args)`` calls ``fn(rank, world, *args)``
 on every rank and returns the per-rank results. A rank that raises, dies or does not
 answer in time ends the whole group with ``WorkerError`` naming the rank, never a
-silent hang. Under ``torchrun`` use ``init_from_env`` instead.
+silent hang: every rank beats a heartbeat once a second, and a rank silent for
+``heartbeat_s`` (stopped, or hung with its interpreter frozen) is named and the group torn
+down. Ranks die with the driver (a parent-death signal), so no signal to the driver leaves
+them behind. Under ``torchrun`` use ``init_from_env`` instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import queue
 import signal
 import socket
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dsl.errors import RuntimeFailure, UserError
 from runtime.emulated_link import EmulatedLinks, LinkSpec, enter_namespace, probe_all_gather
 
+HEARTBEAT_S = 15.0  # a rank silent this long is stopped or hung (it beats once a second)
+_PR_SET_PDEATHSIG = 1
 
-class WorkerError(RuntimeError):
-    """A worker rank failed, died or hung."""
+
+class WorkerError(RuntimeFailure):
+    """A worker rank failed, died or hung. The message is one line; ``details`` holds the
+    rank's traceback when there is one."""
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to kill this process when the driver dies (Linux); if the driver
+    is already gone, leave now."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while child processes start: they inherit it from their first
+    instruction (Python keeps an ignored SIGINT ignored), so a Ctrl-C during their
+    imports cannot print their tracebacks; the driver handles it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _beat(beats, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(1.0)
 
 
 class LocalWorker:
@@ -97,10 +143,16 @@ def _worker(
     init=None,
     master: str = "127.0.0.1",
     netns: str | None = None,
+    parent: int = 0,
+    beats=None,
 ):
     # Ctrl-C reaches the whole process group; the driver alone decides when ranks stop
     # (a server finishes its requests first), so a rank ignores it and waits for its task.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent:
+        _die_with_parent(parent)
+    if beats is not None:
+        threading.Thread(target=_beat, args=(beats, rank), daemon=True).start()
     try:
         if netns is not None:  # an emulated link: this rank's own network namespace
             enter_namespace(netns)
@@ -115,16 +167,16 @@ def _worker(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
-    except Exception:
-        results.put((rank, "error", traceback.format_exc()))
+    except Exception as exc:
+        results.put((rank, *_failure(exc)))
         return
     state = None
     try:
         if init is not None:
             factory, init_args = init
             state = factory(rank, world, *init_args)
-    except Exception:
-        results.put((rank, "error", traceback.format_exc()))
+    except Exception as exc:
+        results.put((rank, *_failure(exc)))
         return
     results.put((rank, "ready", None))
     while True:
@@ -135,9 +187,17 @@ def _worker(
         try:
             value = getattr(state, fn)(*args) if isinstance(fn, str) else fn(rank, world, *args)
             results.put((rank, "ok", value))
-        except Exception:
-            results.put((rank, "error", traceback.format_exc()))
+        except Exception as exc:
+            results.put((rank, *_failure(exc)))
     dist.destroy_process_group()
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """("user_error", message) for the user's mistake (every rank says the same: the
+    driver shows it once, in one line); ("error", traceback) for anything else."""
+    if isinstance(exc, UserError):
+        return "user_error", str(exc)
+    return "error", traceback.format_exc()
 
 
 def _probe_link(rank: int, world: int, nbytes: int) -> dict[str, float]:
@@ -159,15 +219,30 @@ class WorkerGroup:
         timeout_s: float = 120.0,
         init: tuple[Callable[..., Any], tuple] | None = None,
         link: LinkSpec | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.world = world
         self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
         self.procs: list = []
+        self.tasks: list = []
         self.links: EmulatedLinks | None = None
         self.link_probe: dict[str, float] | None = None
         ctx = mp.get_context("spawn")
+        with _sigint_ignored():  # inherited: a Ctrl-C while the ranks start is the driver's
+            self._start(ctx, world, backend, timeout_s, init, link)
+        try:
+            self._collect("ready", timeout_s)
+            if link is not None:
+                self.link_probe = self.probe_link()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ctx, world: int, backend, timeout_s: float, init, link) -> None:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
+        self.beats = ctx.Array("d", [time.monotonic()] * world, lock=False)
         port = free_port()
         backend = backend or default_backend()
         if link is not None:
@@ -183,6 +258,8 @@ class WorkerGroup:
                 kwargs={
                     "master": master,
                     "netns": self.links.namespace_path(r) if self.links else None,
+                    "parent": os.getpid(),
+                    "beats": self.beats,
                 },
             )
             for r in range(world)
@@ -190,9 +267,6 @@ class WorkerGroup:
         try:
             for p in self.procs:
                 p.start()
-            self._collect("ready", timeout_s)
-            if link is not None:
-                self.link_probe = self.probe_link()
         except BaseException:
             self.close()
             raise
@@ -227,39 +301,60 @@ class WorkerGroup:
 
     def _collect(self, want: str, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}
-        deadline = timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(out) < self.world:
             try:
-                rank, status, value = self.results.get(timeout=min(deadline, 1.0))
+                rank, status, value = self.results.get(timeout=1.0)
             except queue.Empty:
-                deadline -= 1.0
-                dead = [
-                    r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in out
-                ]
-                if dead:
+                waiting = [r for r in range(self.world) if r not in out]
+                if (culprit := self._culprit(waiting)) is not None:
+                    self.close()
+                    raise WorkerError(culprit) from None
+                if time.monotonic() > deadline:
                     self.close()
                     raise WorkerError(
-                        f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})"
-                    ) from None
-                if deadline <= 0:
-                    missing = [r for r in range(self.world) if r not in out]
-                    self.close()
-                    raise WorkerError(
-                        f"rank {missing[0]} did not answer within {timeout_s:.0f} s "
-                        f"(waiting for ranks {missing})"
+                        f"rank {waiting[0]} did not answer within {timeout_s:.0f} s "
+                        f"(waiting for ranks {waiting})"
                     ) from None
                 continue
-            if status == "error":
+            if status in ("error", "user_error"):
+                # A rank that fails because a peer died or stopped is not the cause: give
+                # the others a moment to show theirs, then name the one that broke first.
+                culprit = self._culprit([r for r in range(self.world) if r != rank], grace_s=1.0)
                 self.close()
-                raise WorkerError(f"rank {rank} failed:\n{value}")
+                if culprit is not None:
+                    raise WorkerError(f"{culprit}; rank {rank} then failed: {_last_line(value)}")
+                if status == "user_error":
+                    raise UserError(value)
+                raise WorkerError(f"rank {rank} failed: {_last_line(value)}", value)
             out[rank] = value
         return [out[r] for r in range(self.world)]
+
+    def _culprit(self, ranks: list[int], grace_s: float = 0.0) -> str | None:
+        """Why one of ``ranks`` cannot answer (dead, or silent past ``heartbeat_s``)."""
+        end = time.monotonic() + grace_s
+        while True:
+            for r in ranks:
+                code = self.procs[r].exitcode
+                if code:  # 0: it reported its own error and returned; that is not a death
+                    return f"rank {r} died (exit code {code})"
+                silent = time.monotonic() - self.beats[r]
+                if silent > self.heartbeat_s:
+                    return (
+                        f"rank {r} stopped answering (no heartbeat for {silent:.0f} s: "
+                        "stopped or hung)"
+                    )
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.1)
 
     def close(self) -> None:
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
         for p in self.procs:
+            if p.pid is None:
+                continue  # never started (a failure while starting the others)
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()

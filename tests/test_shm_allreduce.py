@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from runtime.launcher import launch
 from tests.conftest import TP_EXAMPLES
-from tests.tp_workers import shm_all_reduce
+from tests.tp_workers import mixed_layout_all_reduce, shm_all_reduce
 
 SHAPES = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 CASES = st.lists(
@@ -31,3 +31,10 @@ def test_shm_all_reduce_matches_gloo(world, cases, seed):
         assert all(torch.equal(first, got) for _, got in per_rank), "ranks disagree"
         assert first.shape == shape
     assert all(gone for _, gone in results), "segment left in /dev/shm"
+
+
+def test_all_reduce_sums_logical_elements_whatever_the_layout():
+    """A transposed view on one rank and contiguous tensors on the others (a rank whose
+    shard is empty multiplies by a plain GEMM) sum element by element, on both paths."""
+    results = launch(mixed_layout_all_reduce, 3, (19, 36), timeout_s=120)
+    assert results == [[True, True]] * 3

@@ -160,3 +160,25 @@ def shm_all_reduce(rank, world, cases, seed):
     gone = not any(n.startswith("deinfer-") for n in os.listdir("/dev/shm"))
     shm.close()
     return out, gone
+
+
+def mixed_layout_all_reduce(rank, world, shape):
+    """Rank r holds (r + 1)·base, rank 0 as a transposed view (what the eager GEMM returns
+    for 16 to 64 rows), the others contiguous; the sum through ``Comm`` (gloo, and the
+    shared-memory path) must be the logical sum on every rank."""
+    from runtime.shm_allreduce import SharedMemoryAllReduce
+
+    base = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    out = []
+    for shm in (False, True):
+        x = base * (rank + 1)
+        if rank == 0:
+            x = x.t().contiguous().t()
+        comm = Comm()
+        if shm:
+            comm.shm = SharedMemoryAllReduce(rank, world, capacity=1 << 16)
+        comm.all_reduce(x)
+        out.append(torch.equal(x, base * (world * (world + 1) // 2)))
+        if shm:
+            comm.shm.close()
+    return out

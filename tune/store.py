@@ -95,7 +95,9 @@ def choose(
         table = read_table(path)
     except ValueError as exc:
         warnings.warn(f"{path}: {exc}; using the defaults", TunedFileWarning, stacklevel=2)
-        return ConfigChoice(defaults(n, k), f"default (unusable tuned file {path.name}: {exc})")
+        # The reason is written into generated code: only plain characters go there.
+        reason = re.sub(r"[^A-Za-z0-9_ .,:;()/+=-]", "", str(exc))[:120]
+        return ConfigChoice(defaults(n, k), f"default (unusable tuned file {path.name}: {reason})")
     picked = {b: clamp_meta(table[nearest_bucket(table, b)], n, k) for b in sorted(set(buckets))}
     return ConfigChoice(picked, f"tuned: {path.parent.name}/{path.name}")
 

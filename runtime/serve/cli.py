@@ -45,6 +45,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds running requests get to finish after SIGTERM/SIGINT",
     )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds a rank may go silent (stopped, hung) before the engine stops (default 15)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=run)
 
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dsl.errors import UserError
     from runtime.engine import LLM
+    from runtime.launcher import HEARTBEAT_S
     from runtime.serve.app import build_app
     from runtime.serve.engine_loop import EngineLoop
     from runtime.serve.metrics import ServerMetrics
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         path=args.path,
         threads=args.threads,
+        heartbeat_s=args.timeout_s or HEARTBEAT_S,
     ) as llm:
         name = args.served_model_name or llm.spec.name
         max_in_flight = llm.spec.runtime.max_batch_size + args.max_queue
