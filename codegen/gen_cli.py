@@ -91,7 +91,13 @@ def _check(args: argparse.Namespace) -> int:
         stale += stale_files(gen.files, out)
     root = Path(args.out_root)
     if not args.spec and not args.out and root.is_dir():
-        stale += [str(p) for p in sorted(root.iterdir()) if p.is_dir() and p.name not in names]
+        stale += [
+            str(p)
+            for p in sorted(root.iterdir())
+            # hidden ".name.new-PID-*" siblings belong to a write in progress (or a killed
+            # one, removed by the next write), not to the generated code
+            if p.is_dir() and p.name not in names and not p.name.startswith(".")
+        ]
     if stale:
         print("generated code is not current (run deinfer-gen on its spec):", file=sys.stderr)
         for item in stale:

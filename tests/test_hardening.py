@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -194,14 +195,23 @@ BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(
         ("? [1, 2]\n: 3\n", "list used as a mapping key"),
         ("model: " + "9" * 100_000, "unreadable YAML value"),
         (TINY.read_text().replace("name: tiny-llama", 'name: "evil\\n"'), "name: must match"),
+        (
+            TINY.read_text().replace("layers: [1]", "layers: ['1-" + "9" * 100_000 + "']"),
+            "expected a layer index or 'a-b' range",
+        ),
     ],
 )
 def test_hostile_specs_are_one_short_line(text, words):
     start = time.perf_counter()
-    with pytest.raises(SpecError) as err:
-        parse_spec(text)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SpecError) as err:
+            parse_spec(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert words in str(err.value) and len(str(err.value)) < 300
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 10 and peak < 256 << 20  # bounded time and memory
 
 
 def test_rank_multiple_larger_than_a_matrix_is_refused():
