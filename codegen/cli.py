@@ -131,11 +131,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def run_parser(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    args = parser.parse_args(argv)
+def run_parser(build: Callable[[], argparse.ArgumentParser], argv: Sequence[str] | None) -> int:
+    """Build the parser (registering subcommands imports torch: seconds) and run the
+    command, with every way of stopping turned into one line and an exit status."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
+        args = build().parse_args(argv)
         return args.func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -158,15 +160,15 @@ def run_parser(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> i
             signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _deinfer_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="deinfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for register in SUBCOMMANDS:
         register(sub)
-    return run_parser(parser, argv)
+    return parser
 
 
-def gen_main(argv: Sequence[str] | None = None) -> int:
+def _gen_parser() -> argparse.ArgumentParser:
     from codegen.gen_cli import add_gen_arguments, run_gen
 
     parser = OneLineParser(
@@ -174,7 +176,15 @@ def gen_main(argv: Sequence[str] | None = None) -> int:
     )
     add_gen_arguments(parser)
     parser.set_defaults(func=run_gen)
-    return run_parser(parser, argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_parser(_deinfer_parser, argv)
+
+
+def gen_main(argv: Sequence[str] | None = None) -> int:
+    return run_parser(_gen_parser, argv)
 
 
 if __name__ == "__main__":

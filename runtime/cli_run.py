@@ -5,52 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from dsl.plan import MODES
+from dsl.errors import UserError
+from runtime.cli_engine import add_engine_arguments, open_engine
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text (or token ids) with a decomposed checkpoint")
-    p.add_argument("--spec", required=True, type=Path)
-    p.add_argument("--checkpoint", required=True, type=Path)
+    add_engine_arguments(p)
     p.add_argument(
         "--prompt",
         action="append",
         required=True,
         help="text if the checkpoint has a tokenizer, else comma-separated token ids; "
         "repeat for a batch",
-    )
-    p.add_argument("--tp", type=int, default=None, help="default: the spec's")
-    p.add_argument("--mode", choices=MODES, default="deinfer")
-    p.add_argument("--kv-cache", choices=("dense", "latent", "auto"), default=None)
-    p.add_argument(
-        "--backend",
-        choices=("triton", "torch"),
-        default=None,
-        help="static path's kernels; default: triton on a GPU, torch on a CPU",
-    )
-    p.add_argument(
-        "--path",
-        choices=("static", "dynamic"),
-        default=None,
-        help="static: fixed buffers and CUDA graphs (default on a GPU); dynamic: shapes follow "
-        "the batch, plain torch (default on a CPU)",
-    )
-    p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
-    p.add_argument(
-        "--link",
-        default=None,
-        metavar="RATE[,LATENCY]",
-        help="run the ranks in network namespaces behind an emulated link, e.g. 200mbit "
-        "(tc units; needs root and iproute2)",
-    )
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=None,
-        help="seconds a rank may go silent (stopped, hung) before the run stops naming it "
-        "(default 15)",
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -61,37 +29,18 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from runtime.engine import LLM
-    from runtime.launcher import HEARTBEAT_S, WorkerGroup
+    from runtime.launcher import WorkerGroup
     from runtime.sequence import SamplingParams
 
     start = time.perf_counter()
-    print(
-        f"loading {args.checkpoint} (spec {args.spec}, mode {args.mode}) ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    with LLM(
-        args.spec,
-        args.checkpoint,
-        tp=args.tp,
-        mode=args.mode,
-        kv_cache=args.kv_cache,
-        backend=args.backend,
-        path=args.path,
-        threads=args.threads,
-        link=args.link,
-        heartbeat_s=args.timeout_s or HEARTBEAT_S,
-    ) as llm:
+    with open_engine(args) as llm:
         print(
             f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "
             f"{llm.describe_path()}",
             file=sys.stderr,
             flush=True,
         )
-        prompts = [
-            p if llm.tokenizer else [int(t) for t in p.split(",") if t.strip()] for p in args.prompt
-        ]
+        prompts = [p if llm.tokenizer else _token_ids(p) for p in args.prompt]
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
@@ -118,3 +67,13 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 2 if failed else 0
+
+
+def _token_ids(prompt: str) -> list[int]:
+    try:
+        return [int(t) for t in prompt.split(",") if t.strip()]
+    except ValueError:
+        raise UserError(
+            f"--prompt {prompt[:40]!r}: this checkpoint has no tokenizer, so a prompt is "
+            "comma-separated token ids"
+        ) from None

@@ -57,18 +57,21 @@ def _die_with_parent(parent: int) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while child processes start: they inherit it from their first
-    instruction (Python keeps an ignored SIGINT ignored), so a Ctrl-C during their
-    imports cannot print their tracebacks; the driver handles it."""
+def _sigint_deferred() -> Iterator[None]:
+    """While child processes start: SIGINT ignored, so they inherit an ignored SIGINT
+    from their first instruction (a Ctrl-C during their imports prints nothing there),
+    and blocked here, so the driver's Ctrl-C is not lost but waits (Linux keeps a blocked
+    signal pending even while ignored) and is raised as the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _beat(beats, rank: int) -> None:
@@ -229,7 +232,7 @@ class WorkerGroup:
         self.links: EmulatedLinks | None = None
         self.link_probe: dict[str, float] | None = None
         ctx = mp.get_context("spawn")
-        with _sigint_ignored():  # inherited: a Ctrl-C while the ranks start is the driver's
+        with _sigint_deferred():  # inherited: a Ctrl-C while the ranks start is the driver's
             self._start(ctx, world, backend, timeout_s, init, link)
         try:
             self._collect("ready", timeout_s)

@@ -112,6 +112,17 @@ TINY_LLAMA = {
 TINY_RANKS = {"q": 7, "k": 5, "v": 9, "o": 11, "gate": 13, "up": 3, "down": 17}
 
 
+def tiny_runtime(max_seq_len: int, max_batch_size: int = 4) -> dict:
+    """The runtime section of the tiny specs: fp32, blocks of 4 tokens."""
+    return {
+        "dtype": "float32",
+        "block_size": 4,
+        "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len,
+        "cuda_graph_batch_sizes": [b for b in (1, 2, 4, 8) if b <= max_batch_size],
+    }
+
+
 def decompose_with_cli(dense: Path, spec_path: Path, out: Path) -> None:
     """``deinfer decompose`` as a user runs it (in process)."""
     from codegen.cli import main as cli

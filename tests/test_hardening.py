@@ -41,27 +41,12 @@ from runtime.generated import load_generated
 from runtime.launcher import WorkerError, free_port
 from runtime.sequence import SamplingParams
 from tests.conftest import REPO, SPECS
-from tests.hf_models import TINY_RANKS, make_decomposed
+from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
 
 TINY = SPECS / "tiny-llama.yaml"
-CONFIG = {
-    "vocab_size": 48,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 24,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.15,
-}
-RUNTIME = {
-    "dtype": "float32",
-    "block_size": 4,
-    "max_batch_size": 4,
-    "max_seq_len": 480,
-    "cuda_graph_batch_sizes": [1, 2, 4],
-}
+# Positions for long generations (disconnects, signals mid-run); 48 words in the vocabulary.
+CONFIG = {**TINY_LLAMA, "vocab_size": 48, "max_position_embeddings": 512, "initializer_range": 0.15}
+RUNTIME = tiny_runtime(max_seq_len=480, max_batch_size=4)
 
 
 def _one_line(text: str) -> str:
@@ -416,6 +401,18 @@ def _wait_empty(sid: int, seconds: float = 10.0) -> list[int]:
     return left
 
 
+def _long_run(model) -> subprocess.Popen:
+    """``deinfer run`` at tp 2 generating 470 tokens, once its ranks are up and busy."""
+    spec, ckpt = model
+    args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "2"]
+    proc = _cli("run", *args, "--prompt", "1,2", "--max-tokens", "470")
+    end = time.monotonic() + 120
+    while len(_session(proc.pid)) < 3 and time.monotonic() < end:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return proc
+
+
 def _temp_entries() -> set[str]:
     return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deinfer")}
 
@@ -441,14 +438,8 @@ def test_sigkill_to_the_driver_leaves_no_process_and_no_folder(model):
 
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated")])
 def test_a_signal_to_the_driver_ends_in_one_line(model, sig, code, word):
-    spec, ckpt = model
     before = _temp_entries()
-    args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "2"]
-    proc = _cli("run", *args, "--prompt", "1,2", "--max-tokens", "470")
-    end = time.monotonic() + 120
-    while len(_session(proc.pid)) < 3 and time.monotonic() < end:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    proc = _long_run(model)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -458,16 +449,12 @@ def test_a_signal_to_the_driver_ends_in_one_line(model, sig, code, word):
 
 
 def test_ctrl_c_reaches_every_process_and_ends_in_one_line(model):
-    spec, ckpt = model
-    args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "2"]
-    proc = _cli("run", *args, "--prompt", "1,2", "--max-tokens", "470")
-    end = time.monotonic() + 120
-    while len(_session(proc.pid)) < 3 and time.monotonic() < end:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    proc = _long_run(model)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    # 130, or killed by SIGINT (which a shell also reports as 130): CPython ends that way
+    # when the interrupt landed inside an extension's embedded Python (torch's import).
+    assert proc.returncode in (130, -signal.SIGINT), err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     assert _wait_empty(proc.pid) == []
 

@@ -28,27 +28,12 @@ from runtime.sequence import SamplingParams
 from runtime.serve.admission import BadRequest, chat_prompt
 from runtime.serve.bench_serve import ServerProcess
 from runtime.serve.text import TextStream
-from tests.hf_models import TINY_RANKS, make_decomposed
+from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
 
 VOCAB = 48
-CONFIG = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 24,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.15,
-}
-RUNTIME = {
-    "dtype": "float32",
-    "block_size": 4,
-    "max_batch_size": 8,
-    "max_seq_len": 480,
-    "cuda_graph_batch_sizes": [1, 2, 4, 8],
-}
+# Positions for long generations (disconnects, signals mid-run); 48 words in the vocabulary.
+CONFIG = {**TINY_LLAMA, "vocab_size": 48, "max_position_embeddings": 512, "initializer_range": 0.15}
+RUNTIME = tiny_runtime(max_seq_len=480, max_batch_size=8)
 MODEL = "tiny-hf"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t47"
 PROMPT = "t1 t2 t3 t4 t5"

@@ -127,7 +127,10 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from codegen.cli import OneLineParser, run_parser
 
-    parser = OneLineParser(prog="deinfer-tune", description=__doc__.splitlines()[0])
-    add_tune_arguments(parser)
-    parser.set_defaults(func=run_tune)
-    return run_parser(parser, argv)
+    def build() -> OneLineParser:
+        parser = OneLineParser(prog="deinfer-tune", description=__doc__.splitlines()[0])
+        add_tune_arguments(parser)
+        parser.set_defaults(func=run_tune)
+        return parser
+
+    return run_parser(build, argv)

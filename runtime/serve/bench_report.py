@@ -77,15 +77,20 @@ def plot(results: dict[str, Any], out: Path) -> Path | None:
         return r.get("mode", "server"), r["transport"]
 
     series = sorted({series_of(r) for r in rows})
+    modes = sorted({mode for mode, _ in series})
+    colour = {mode: f"C{i}" for i, mode in enumerate(modes)}  # one colour per mode
+    ticks = sorted({at_once if r["rate"] == float("inf") else r["rate"] for r in rows})
     for ax, (key, title) in zip(axes, panels, strict=True):
         for mode, transport in series:
             mine = [r for r in rows if series_of(r) == (mode, transport)]
             xs = [at_once if r["rate"] == float("inf") else r["rate"] for r in mine]
             ys = [r[key]["median"] for r in mine]
             style = "-o" if transport == "http" else "--x"
-            ax.plot(xs, ys, style, label=f"{mode} ({transport})")
+            ax.plot(xs, ys, style, color=colour[mode], label=f"{mode} ({transport})")
         ax.set_xscale("log")
-        ax.set_xlabel(f"request rate (req/s; {at_once:g} = all at once)")
+        ax.set_xticks(ticks, ["all" if t == at_once else f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (req/s; all: every request at once)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)

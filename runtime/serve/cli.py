@@ -10,9 +10,8 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from dsl.plan import MODES
+from runtime.cli_engine import add_engine_arguments, open_engine
 
 DEFAULT_MAX_QUEUE = 256  # requests waiting beyond the running batch before a 503
 SWITCH_INTERVAL_S = 0.0005
@@ -20,14 +19,7 @@ SWITCH_INTERVAL_S = 0.0005
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
-    p.add_argument("--spec", required=True, type=Path)
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--tp", type=int, default=None, help="default: the spec's")
-    p.add_argument("--mode", choices=MODES, default="deinfer")
-    p.add_argument("--kv-cache", choices=("dense", "latent", "auto"), default=None)
-    p.add_argument("--backend", choices=("triton", "torch"), default=None)
-    p.add_argument("--path", choices=("static", "dynamic"), default=None)
-    p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
+    add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -44,12 +36,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=10.0,
         help="seconds running requests get to finish after SIGTERM/SIGINT",
-    )
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=None,
-        help="seconds a rank may go silent (stopped, hung) before the engine stops (default 15)",
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=run)
@@ -72,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dsl.errors import UserError
-    from runtime.engine import LLM
-    from runtime.launcher import HEARTBEAT_S
     from runtime.serve.app import build_app
     from runtime.serve.engine_loop import EngineLoop
     from runtime.serve.metrics import ServerMetrics
@@ -83,18 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0 or args.shutdown_timeout < 0:
         raise UserError("--max-queue and --shutdown-timeout must not be negative")
     start = time.perf_counter()
-    print(f"loading {args.checkpoint} (spec {args.spec}, mode {args.mode}) ...", file=sys.stderr)
-    with LLM(
-        args.spec,
-        args.checkpoint,
-        tp=args.tp,
-        mode=args.mode,
-        kv_cache=args.kv_cache,
-        backend=args.backend,
-        path=args.path,
-        threads=args.threads,
-        heartbeat_s=args.timeout_s or HEARTBEAT_S,
-    ) as llm:
+    with open_engine(args) as llm:
         name = args.served_model_name or llm.spec.name
         max_in_flight = llm.spec.runtime.max_batch_size + args.max_queue
         engine = EngineLoop(llm, ServerMetrics(), max_in_flight)

@@ -17,24 +17,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "deinfer_time_to_first_token_seconds",
-            "Arrival to first generated token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "deinfer_inter_token_latency_seconds",
-            "Time between consecutive tokens of a request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "deinfer_e2e_request_latency_seconds",
-            "Arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.ttft = self._latency("time_to_first_token", "Arrival to first generated token")
+        self.itl = self._latency("inter_token_latency", "Time between tokens of a request")
+        self.e2e = self._latency("e2e_request_latency", "Arrival to last token")
         self.generation_tokens = Counter(
             "deinfer_generation_tokens", "Tokens generated", registry=r
         )
@@ -52,6 +37,11 @@ class ServerMetrics:
             "Requests refused before they reached the engine, by HTTP status",
             ["status"],
             registry=r,
+        )
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            f"deinfer_{name}_seconds", doc, buckets=LATENCY_BUCKETS, registry=self.registry
         )
 
     def watch_load(self, load: Callable[[], object]) -> None:
