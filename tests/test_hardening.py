@@ -371,9 +371,17 @@ def test_a_killed_rank_is_the_one_named(model):
             engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
 
 
+# ``deinfer`` as a terminal starts it, with SIGINT at its default: a suite run in the
+# background (``nohup ... &``) hands every child an ignored SIGINT, which Python keeps.
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('codegen.cli', run_name='__main__', alter_sys=True)"
+)
+
+
 def _cli(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "codegen.cli", *args],
+        [sys.executable, "-c", AS_FROM_A_TERMINAL, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
