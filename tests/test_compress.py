@@ -21,7 +21,7 @@ from runtime.decompose import model_section
 from runtime.engine import LLM
 from runtime.hf_reference import dense_state, load_transformers
 from runtime.sequence import SamplingParams
-from tests.hf_models import build_hf
+from tests.hf_models import build_hf, decompose_with_cli
 
 CONFIG = {
     "vocab_size": 48,
@@ -333,21 +333,7 @@ def test_metrics_against_hand_computation():
 
 def test_score_equals_transformers_log_probabilities_at_tp2(dense, tmp_path):
     spec_path = _spec(dense, tmp_path / "spec.yaml", 0.3)
-    assert (
-        cli(
-            [
-                "decompose",
-                "--model",
-                str(dense),
-                "--spec",
-                str(spec_path),
-                "--out",
-                str(tmp_path / "ck"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    decompose_with_cli(dense, spec_path, tmp_path / "ck")
     spec = load_spec(spec_path)
     ref = load_transformers(spec, tmp_path / "ck")
     seq = [1, 4, 9, 16, 25, 36, 2, 3, 5, 7, 11, 13, 17]  # spans several blocks
@@ -365,21 +351,7 @@ def test_eval_of_a_full_rank_checkpoint_matches_the_dense_model(dense, tmp_path)
     from runtime.compress.fidelity import EvalConfig, dense_reference, evaluate
 
     spec_path = _spec(dense, tmp_path / "spec.yaml", 0.0)
-    assert (
-        cli(
-            [
-                "decompose",
-                "--model",
-                str(dense),
-                "--spec",
-                str(spec_path),
-                "--out",
-                str(tmp_path / "ck"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    decompose_with_cli(dense, spec_path, tmp_path / "ck")
     cfg = EvalConfig(self_samples=3, length=20, prompts=(), max_new_tokens=4)
     ref = dense_reference(dense, cfg)
     assert ref.sampled and ref.metrics["ppl_sampled"] > 1
