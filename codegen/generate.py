@@ -9,15 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from codegen import __version__
-from codegen.families import down_proj, gemm_fixed, kv_cache, latent_up, layers, paged_attention
+from codegen.families import (
+    down_proj,
+    gemm_fixed,
+    kv_copy,
+    latent_up,
+    layers,
+    paged_attention,
+    rope,
+)
 from codegen.families.context import GenContext
 from codegen.folder import stale_files, write_atomically
-from codegen.render import KernelFile, render, sha256_text, template_hash
-from dsl import Spec, build_plan, parse_spec
+from codegen.render import KernelFile, render, template_hash
+from dsl import Spec, build_plan
 from dsl.report import plan_json
 from tune.store import CONFIG_ROOT, normalise_device_name
 
-FAMILIES = (down_proj, latent_up, gemm_fixed, kv_cache, paged_attention, layers)
+FAMILIES = (down_proj, latent_up, gemm_fixed, kv_copy, rope, paged_attention, layers)
 
 
 @dataclass(frozen=True)
@@ -29,19 +37,19 @@ class Generated:
 
 
 def generate(
-    spec_text: str,
-    default_name: str,
+    spec: Spec,
     device: str | None = None,
     config_root: Path = CONFIG_ROOT,
     spec_file: str | None = None,
 ) -> Generated:
-    """Render everything for a spec; raises ``SpecError`` before anything is written.
+    """Render everything for a parsed spec, in memory (nothing is written).
     ``device`` selects tuned meta-parameters from the store at ``config_root``;
-    ``spec_file`` (default ``<default_name>.yaml``) is recorded as the folder's owner."""
-    spec = parse_spec(spec_text, default_name=default_name)
+    ``spec_file`` (default ``<spec name>.yaml``) is recorded as the folder's owner.
+    Files carry the spec's digest (its canonical text's sha256), so a reformatted spec
+    file regenerates nothing."""
     device = normalise_device_name(device) if device else None
     ctx = GenContext(spec=spec, plan=build_plan(spec), device=device, config_root=config_root)
-    spec_hash = sha256_text(spec_text)
+    spec_hash = spec.digest
     kernels = tuple(k for family in FAMILIES for k in family.generate(ctx))
     files = {k.file_name: render(k, spec.name, spec_hash) for k in kernels}
     files["__init__.py"] = (
@@ -49,7 +57,7 @@ def generate(
     )
     summary = plan_json(ctx.plan)
     manifest = _manifest(ctx, spec_hash, kernels, summary)
-    manifest["spec"]["file"] = spec_file or f"{default_name}.yaml"
+    manifest["spec"]["file"] = spec_file or f"{spec.name}.yaml"
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     files["README.md"] = _readme(ctx, kernels, summary)
     return Generated(spec=spec, files=dict(sorted(files.items())), kernels=kernels, plan=summary)
@@ -65,11 +73,8 @@ def _manifest(ctx: GenContext, spec_hash: str, kernels, summary) -> dict[str, An
         "templates": {t: template_hash(t) for t in sorted({k.template for k in kernels})},
         "tp": ctx.tp,
         "layer_shapes": {
-            ctx.shape_id(shape): {
-                "layers": list(spec.layers_of_shape(shape)),
-                "ranks": shape.as_dict(),
-            }
-            for shape in spec.layer_shapes()
+            lp.shape_id: {"layers": list(lp.layers), "ranks": lp.shape.as_dict()}
+            for lp in ctx.layer_plans("deinfer")
         },
         "plan": {
             mode: {
@@ -85,8 +90,9 @@ def _manifest(ctx: GenContext, spec_hash: str, kernels, summary) -> dict[str, An
             for mode, data in summary["modes"].items()
         },
         "kernels": [
-            {"family": k.family, "file": k.file_name, "template": k.template, **k.manifest}
+            {"family": k.family, "file": k.file_name, "template": k.template, **entry}
             for k in kernels
+            for entry in k.manifest_entries()
         ],
     }
 

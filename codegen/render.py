@@ -32,7 +32,11 @@ class KernelFile:
     file_name: str
     template: str
     values: dict[str, Any]
-    manifest: dict[str, Any] = field(default_factory=dict)  # what the manifest records
+    # What the manifest records: one entry, or one per shape the file is specialised for.
+    manifest: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
+
+    def manifest_entries(self) -> list[dict[str, Any]]:
+        return self.manifest if isinstance(self.manifest, list) else [self.manifest]
 
 
 def check_safe(value: Any, path: str = "values") -> None:

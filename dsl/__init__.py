@@ -1,8 +1,9 @@
 """Spec language, rank rules, sharding plan and accounting. Never imports torch."""
 
+from dsl.dataflow import build_plan
 from dsl.errors import SpecError
 from dsl.load import load_spec, parse_spec
-from dsl.plan import MODES, Plan, build_plan
+from dsl.plan import MODES, Plan
 from dsl.spec import Spec
 
 __all__ = ["MODES", "Plan", "Spec", "SpecError", "build_plan", "load_spec", "parse_spec"]

@@ -133,54 +133,39 @@ def _layer_ranges(layers: tuple[int, ...]) -> str:
     return ",".join(parts)
 
 
+# (label, path into a mode's plan_json, formatter): the rows of ``plan_table``.
+_KV = "kv_elements_per_token_per_layer_per_rank"
+_FLOPS = "flops_per_token_per_rank"
+TABLE_ROWS = (
+    ("comm units / token / block", ("comm_units_per_token_per_block",), "n"),
+    ("collectives / block", ("collectives_per_block",), "n"),
+    (
+        "ring elements / rank / token / block",
+        ("ring_elements_per_rank_per_token_per_block",),
+        "n",
+    ),
+    ("GEMM FLOPs / token / rank", (_FLOPS, "gemm"), "n"),
+    ("attention FLOPs / context token / rank", (_FLOPS, "attention_per_context_token"), "n"),
+    ("  of which duplicated", (_FLOPS, "duplicated_attention_per_context_token"), "n"),
+    ("weights / rank", ("weight_bytes_per_rank",), "bytes"),
+    ("KV dense elems / token / layer / rank", (_KV, "dense"), "n"),
+    ("KV latent elems / token / layer / rank", (_KV, "latent"), "n"),
+    ("KV auto: latent layers", (_KV, "auto_latent_layers"), "str"),
+)
+
+
+def _cell(data: dict, path: tuple[str, ...], kind: str) -> str:
+    for key in path:
+        data = data[key]
+    return {"n": _fmt, "bytes": _bytes, "str": str}[kind](data)
+
+
 def plan_table(plan: Plan) -> str:
     """A readable summary: one column per mode."""
     data = plan_json(plan)["modes"]
     modes = list(data)
-    rows: list[tuple[str, list[str]]] = [
-        (
-            "comm units / token / block",
-            [_fmt(data[m]["comm_units_per_token_per_block"]) for m in modes],
-        ),
-        ("collectives / block", [_fmt(data[m]["collectives_per_block"]) for m in modes]),
-        (
-            "ring elements / rank / token / block",
-            [_fmt(data[m]["ring_elements_per_rank_per_token_per_block"]) for m in modes],
-        ),
-        (
-            "GEMM FLOPs / token / rank",
-            [_fmt(data[m]["flops_per_token_per_rank"]["gemm"]) for m in modes],
-        ),
-        (
-            "attention FLOPs / context token / rank",
-            [
-                _fmt(data[m]["flops_per_token_per_rank"]["attention_per_context_token"])
-                for m in modes
-            ],
-        ),
-        (
-            "  of which duplicated",
-            [
-                _fmt(data[m]["flops_per_token_per_rank"]["duplicated_attention_per_context_token"])
-                for m in modes
-            ],
-        ),
-        ("weights / rank", [_bytes(data[m]["weight_bytes_per_rank"]) for m in modes]),
-        (
-            "KV dense elems / token / layer / rank",
-            [_fmt(data[m]["kv_elements_per_token_per_layer_per_rank"]["dense"]) for m in modes],
-        ),
-        (
-            "KV latent elems / token / layer / rank",
-            [_fmt(data[m]["kv_elements_per_token_per_layer_per_rank"]["latent"]) for m in modes],
-        ),
-        (
-            "KV auto: latent layers",
-            [
-                str(data[m]["kv_elements_per_token_per_layer_per_rank"]["auto_latent_layers"])
-                for m in modes
-            ],
-        ),
+    rows = [
+        (label, [_cell(data[m], path, kind) for m in modes]) for label, path, kind in TABLE_ROWS
     ]
     label_w = max(len(r[0]) for r in rows)
     col_w = max(12, *(len(v) for _, vals in rows for v in vals))

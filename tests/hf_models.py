@@ -9,7 +9,7 @@ import transformers
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from runtime.checkpoint import names_for
+from runtime.model.checkpoint import names_for
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt")
 
@@ -125,7 +125,7 @@ def tiny_runtime(max_seq_len: int, max_batch_size: int = 4) -> dict:
 
 def decompose_with_cli(dense: Path, spec_path: Path, out: Path) -> None:
     """``deinfer decompose`` as a user runs it (in process)."""
-    from codegen.cli import main as cli
+    from codegen.cli.main import main as cli
 
     args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--out", str(out)]
     assert cli([*args, "--quiet"]) == 0
@@ -140,7 +140,7 @@ def make_decomposed(
     import yaml
 
     from dsl import parse_spec
-    from runtime.decompose import model_section
+    from runtime.tools.decompose import model_section
 
     hf = build_hf(family, kwargs, seed)
     hf.save_pretrained(tmp / "dense")

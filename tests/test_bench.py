@@ -9,12 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from codegen.cli import main as cli
-from runtime.bench import PRESETS, BenchConfig, run_bench
-from runtime.bench_link_report import link_markdown, link_plot
-from runtime.bench_report import markdown, plots
-from runtime.emulated_link import namespaces
-from tests.conftest import SPECS
+from codegen.cli.main import main as cli
+from dsl import load_spec
+from runtime.dist.emulated_link import namespaces
+from runtime.tools.bench.link_report import link_markdown, link_plot
+from runtime.tools.bench.report import markdown, plots
+from runtime.tools.bench.runner import PRESETS, BenchConfig, preset, run_bench, variants_of
+from tests.conftest import REPO, SPECS
 from tests.test_emulated_link import needs_netns
 from tune.link_planner import CostModelPlanner
 from tune.profiles import load_profile
@@ -72,7 +73,7 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
     assert table.count("(= plan)") == len(results["variants"])
     files = plots(results, tmp_path)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
-    json.dumps(results)
+    assert json.loads(json.dumps(results))["config"]["tps"] == [1, 2]  # JSON as written
 
 
 def test_bench_against_transformers_and_the_floor(tmp_path):
@@ -121,15 +122,23 @@ def test_bench_against_transformers_and_the_floor(tmp_path):
     assert "| hf tp1 b2 |" in table and "GB/s" in table
 
 
+# The paper's settings (requests, prompt tokens, max tokens) and the scale of each preset.
+PAPER_LOADS = {"paper-high-load-cpu": (512, 32, 160, 32), "paper-mild-load-cpu": (64, 64, 512, 16)}
+
+
 def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monkeypatch):
-    assert {
-        "cpu-smoke",
-        "cpu-target",
-        "paper-high-load-cpu",
-        "paper-mild-load-cpu",
-        "paper-serving-cpu",
-        "paper-scaling-cpu",
-    } <= set(PRESETS)
+    for name, (requests, prompt, max_len, scale) in PAPER_LOADS.items():
+        cfg = preset(name)
+        assert cfg.prompt_len * 4 == prompt and (cfg.prompt_len + cfg.output_len) * 4 == max_len
+        assert cfg.num_requests * scale == requests and cfg.max_batch == cfg.num_requests
+    serving = preset("paper-serving-cpu")
+    assert (serving.serving_requests, serving.prompt_len, serving.output_len) == (8, 8, 32)
+    table5 = preset("paper-table5-cpu")
+    assert "ratio:5.18" in table5.links and "ratio:0.373" in table5.links  # 12.182 / 2.352
+    for name in PRESETS:  # every preset names a shipped spec and builds its rows
+        cfg = preset(name)
+        load_spec(REPO / cfg.spec)
+        assert variants_of(cfg)
     tiny = replace(
         BenchConfig(spec=str(SPECS / "tiny-opt.yaml")),
         tps=(2,),

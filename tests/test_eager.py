@@ -1,5 +1,5 @@
 """The dynamic (CPU) path against the oracles: every eager kernel against its
-reference in ``runtime.reference`` (fp32 and bf16 — the eager kernels are plain torch,
+reference in ``runtime.kernels.reference`` (fp32 and bf16 — the eager kernels are plain torch,
 so bf16 runs on a CPU), the real-length decode attention against the static paged
 attention over reconstructed caches, chunked prefill against whole-prompt causal
 attention, and batch sampling. Tolerances per dtype: fp32 1e-4 and bf16 2e-2 of the
@@ -15,19 +15,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime import eager, reference
-from runtime.eager_attention import (
+from runtime.engine.model_runner import Piece, prefill_chunks
+from runtime.engine.sampling import make_generator, sample
+from runtime.engine.sequence import SamplingParams
+from runtime.kernels import eager, reference
+from runtime.model.eager_attention import (
     LatentFactors,
     cache_context,
     causal_attention,
     decode_dense,
     decode_latent,
 )
-from runtime.kv_cache import LayerCache
-from runtime.model_runner import Piece, prefill_chunks
-from runtime.rope import inv_freq
-from runtime.sampling import make_generator, sample
-from runtime.sequence import SamplingParams
+from runtime.model.paged_cache import LayerCache
+from runtime.model.rope import inv_freq
 from tests.kernel_utils import TOLERANCE
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dsl.errors import UserError
-from runtime.emulated_link import PREFIX, EmulatedLinks, LinkSpec, namespaces
-from runtime.launcher import WorkerError, WorkerGroup, launch
+from runtime.dist.emulated_link import PREFIX, EmulatedLinks, LinkSpec, namespaces
+from runtime.dist.launcher import WorkerError, WorkerGroup, launch
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,

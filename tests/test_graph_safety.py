@@ -8,8 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from codegen.generate import generate, write_atomically
-from runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
-from runtime.sequence import SamplingParams
+from dsl import parse_spec
+from runtime.engine.model_runner import ModelRunner, RunnerConfig, SeqInput
+from runtime.engine.sequence import SamplingParams
 from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed
 
 HOST_SYNC = {
@@ -46,19 +47,19 @@ class Trace(TorchDispatchMode):
 def runner_factory(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("graph")
     spec_path, ckpt, _, _ = make_decomposed(tmp, "llama", TINY_LLAMA, TINY_RANKS, 1, RUNTIME)
-    text = spec_path.read_text()
-    write_atomically(generate(text, "tiny-hf").files, tmp / "gen")
+    spec = parse_spec(spec_path.read_text(), "tiny-hf")
+    write_atomically(generate(spec).files, tmp / "gen")
 
-    def make(kv: str) -> ModelRunner:
+    def make(kv: str, backend: str) -> ModelRunner:
         return ModelRunner(
             0,
             1,
             RunnerConfig(
-                text,
+                spec,
                 str(tmp / "gen"),
                 str(ckpt),
                 "deinfer",
-                "torch",
+                backend,
                 kv,
                 num_blocks=16,
                 cuda_graphs=False,
@@ -68,9 +69,13 @@ def runner_factory(tmp_path_factory):
     return make
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("kv", ["latent", "dense"])
-def test_decode_step_trace_is_static_and_sync_free(runner_factory, kv):
-    runner = runner_factory(kv)
+def test_decode_step_trace_is_static_and_sync_free(runner_factory, kv, backend):
+    """The step a CUDA graph captures: the torch references and the Triton launchers
+    (here in Triton's interpreter) run the same ops on the same shapes whatever the
+    sequences' lengths, and nothing reads a device value on the host."""
+    runner = runner_factory(kv, backend)
     params = SamplingParams(max_tokens=8)
     a = SeqInput(0, [1, 2, 3, 4, 5], 5, [3, 7], params)
     b = SeqInput(1, [6, 7], 2, [0], params)

@@ -14,45 +14,32 @@ import py_compile
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from codegen.cli import gen_main
+from codegen.cli.main import gen_main
 from codegen.folder import _exchange, stale_files, write_atomically
 from codegen.generate import generate
 from dsl import parse_spec
 from dsl.errors import SpecError, UserError
-from runtime.checkpoint import CheckpointReader
-from runtime.engine import LLM
-from runtime.generated import load_generated
-from runtime.launcher import WorkerError, free_port
-from runtime.sequence import SamplingParams
+from runtime.engine.llm import LLM
+from runtime.engine.sequence import SamplingParams
+from runtime.kernels.loader import load_generated
+from runtime.model.checkpoint import CheckpointReader
 from tests.conftest import REPO, SPECS
-from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
+from tests.hardening import hardening_model, one_line
 
 TINY = SPECS / "tiny-llama.yaml"
-# Positions for long generations (disconnects, signals mid-run); 48 words in the vocabulary.
-CONFIG = {**TINY_LLAMA, "vocab_size": 48, "max_position_embeddings": 512, "initializer_range": 0.15}
-RUNTIME = tiny_runtime(max_seq_len=480, max_batch_size=4)
-
-
-def _one_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, text
-    return lines[0]
 
 
 def _dead_pid() -> int:
@@ -72,10 +59,10 @@ def test_gen_refuses_folders_and_files_it_does_not_own(tmp_path, capsys, monkeyp
     a_file.write_text("keep")
     for out, words in ((mine, "refusing to replace"), (a_file, "is a file")):
         assert gen_main([str(TINY), "--out", str(out)]) == 2
-        assert words in _one_line(capsys.readouterr().err)
+        assert words in one_line(capsys.readouterr().err)
     monkeypatch.chdir(mine)
     assert gen_main([str(TINY), "--out", "."]) == 2
-    assert "refusing to replace" in _one_line(capsys.readouterr().err)
+    assert "refusing to replace" in one_line(capsys.readouterr().err)
     assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
     assert a_file.read_text() == "keep"
 
@@ -90,7 +77,7 @@ def test_gen_replaces_its_own_folder_but_not_another_specs(tmp_path, capsys):
     other.write_text(TINY.read_text())  # also named tiny-llama
     capsys.readouterr()
     assert gen_main([str(other), "--out", str(out)]) == 2
-    message = _one_line(capsys.readouterr().err)
+    message = one_line(capsys.readouterr().err)
     assert "'tiny-llama.yaml'" in message and "'other.yaml'" in message and "--force" in message
     assert gen_main([str(other), "--out", str(out), "--force"]) == 0
 
@@ -104,7 +91,7 @@ def test_swap_is_one_rename_and_killed_runs_are_cleaned(tmp_path, monkeypatch):
     assert os.listdir(y) == ["was-x"] and os.listdir(x) == []
     shutil.rmtree(x)
     shutil.rmtree(y)
-    a = generate(TINY.read_text(), "tiny-llama").files
+    a = generate(parse_spec(TINY.read_text(), "tiny-llama")).files
     b = {**a, "README.md": a["README.md"] + "\nchanged\n"}
     out = tmp_path / "gen"
     write_atomically(a, out)
@@ -132,12 +119,12 @@ def test_killing_gen_never_leaves_the_folder_missing_or_mixed(tmp_path):
     for path, rank in ((first, 27), (second, 25)):
         path.parent.mkdir()
         path.write_text(TINY.read_text().replace("q: 27", f"q: {rank}"))
-    outputs = [generate(p.read_text(), "tiny-llama").files for p in (first, second)]
+    outputs = [generate(parse_spec(p.read_text(), "tiny-llama")).files for p in (first, second)]
     out = tmp_path / "gen"
     write_atomically(outputs[0], out)
     rng = random.Random(0)
     for i in range(6):
-        cmd = [sys.executable, "-m", "codegen.cli", "gen", str((first, second)[i % 2])]
+        cmd = [sys.executable, "-m", "codegen.cli.main", "gen", str((first, second)[i % 2])]
         proc = subprocess.Popen([*cmd, "--out", str(out)], cwd=REPO, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.5, 4.0))
         proc.kill()
@@ -149,7 +136,7 @@ def test_killing_gen_never_leaves_the_folder_missing_or_mixed(tmp_path):
 
 def test_generated_code_runs_from_source_never_from_bytecode(tmp_path):
     folder = tmp_path / "gen"
-    write_atomically(generate(TINY.read_text(), "tiny-llama").files, folder)
+    write_atomically(generate(parse_spec(TINY.read_text(), "tiny-llama")).files, folder)
     source = folder / "kernels.py"
     original = source.read_bytes()
     evil = b"EVIL = True\n"
@@ -162,7 +149,7 @@ def test_generated_code_runs_from_source_never_from_bytecode(tmp_path):
     module = load_generated(folder)
     assert hasattr(module, "KERNELS") and not hasattr(module, "EVIL")
     assert os.listdir(folder / "__pycache__") == [Path(cache).name]  # nothing written
-    assert stale_files(generate(TINY.read_text(), "tiny-llama").files, folder) == []
+    assert stale_files(generate(parse_spec(TINY.read_text(), "tiny-llama")).files, folder) == []
 
 
 # --- the spec parser: only SpecError, bounded time -------------------------------------
@@ -271,10 +258,10 @@ def test_checkpoint_index_is_authoritative_and_stays_inside(tmp_path, shards, in
     folder = _shards(tmp_path / "ckpt", shards, wrapped)
     with pytest.raises(UserError) as err:
         CheckpointReader(folder)
-    assert words in _one_line(str(err.value))
+    assert words in one_line(str(err.value))
 
 
-def test_an_index_without_weight_map_is_one_line(tmp_path):
+def test_an_index_without_weight_map_isone_line(tmp_path):
     folder = _shards(tmp_path / "ckpt", {"a.safetensors": ["x"]}, {"metadata": {}})
     with pytest.raises(UserError, match="no 'weight_map'"):
         CheckpointReader(folder)
@@ -285,9 +272,7 @@ def test_an_index_without_weight_map_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hardening")
-    spec, ckpt, _ref, _ = make_decomposed(tmp, "llama", CONFIG, TINY_RANKS, 2, RUNTIME)
-    return spec, ckpt
+    return hardening_model(tmp_path_factory.mktemp("hardening"))
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +315,7 @@ def test_bad_token_ids_are_refused_and_nothing_is_queued(llm, prompt, words):
 def test_bad_sampling_params_are_refused(params):
     with pytest.raises(UserError) as err:
         SamplingParams(**params)
-    _one_line(str(err.value))
+    one_line(str(err.value))
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(model, tmp_path):
@@ -347,161 +332,6 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(model, tmp_path):
         LLM(spec, copy, tp=1)
 
 
-# --- ranks and drivers ---------------------------------------------------------------------
-
-
-def test_a_stopped_rank_is_named_within_30_s(model):
-    with LLM(*model, tp=2) as engine:
-        pid = engine.workers.procs[1].pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            with pytest.raises(WorkerError, match=r"^rank 1 stopped answering"):
-                engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-            assert time.monotonic() - start < 30
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def test_a_killed_rank_is_the_one_named(model):
-    with LLM(*model, tp=2) as engine:
-        engine.workers.procs[1].kill()
-        with pytest.raises(WorkerError, match=r"^rank 1 died \(exit code -9\)"):
-            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-
-
-# ``deinfer`` as a terminal starts it, with SIGINT at its default: a suite run in the
-# background (``nohup ... &``) hands every child an ignored SIGINT, which Python keeps.
-AS_FROM_A_TERMINAL = (
-    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "runpy.run_module('codegen.cli', run_name='__main__', alter_sys=True)"
-)
-
-
-def _cli(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", AS_FROM_A_TERMINAL, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **kw,
-    )
-
-
-def _session(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(stat.parent.name))
-    return pids
-
-
-def _wait_empty(sid: int, seconds: float = 10.0) -> list[int]:
-    end = time.monotonic() + seconds
-    while (left := _session(sid)) and time.monotonic() < end:
-        time.sleep(0.2)
-    return left
-
-
-def _long_run(model) -> subprocess.Popen:
-    """``deinfer run`` at tp 2 generating 470 tokens, once its ranks are up and busy."""
-    spec, ckpt = model
-    args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "2"]
-    proc = _cli("run", *args, "--prompt", "1,2", "--max-tokens", "470")
-    end = time.monotonic() + 120
-    while len(_session(proc.pid)) < 3 and time.monotonic() < end:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    return proc
-
-
-def _temp_entries() -> set[str]:
-    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deinfer")}
-
-
-def test_sigkill_to_the_driver_leaves_no_process_and_no_folder(model):
-    spec, ckpt = model
-    before = _temp_entries()
-    port = free_port()
-    args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "2", "--port", str(port)]
-    proc = _cli("serve", *args)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        time.sleep(0.3)
-    assert len(_session(proc.pid)) >= 3  # the driver and two ranks
-    proc.kill()
-    proc.communicate()
-    assert _wait_empty(proc.pid) == []
-    assert _temp_entries() <= before
-
-
-@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated")])
-def test_a_signal_to_the_driver_ends_in_one_line(model, sig, code, word):
-    before = _temp_entries()
-    proc = _long_run(model)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
-    assert err.strip().splitlines()[-1] == word and "Traceback" not in err
-    assert _wait_empty(proc.pid) == []
-    assert _temp_entries() <= before
-
-
-def test_ctrl_c_reaches_every_process_and_ends_in_one_line(model):
-    proc = _long_run(model)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-    _, err = proc.communicate(timeout=60)
-    # 130, or killed by SIGINT (which a shell also reports as 130): CPython ends that way
-    # when the interrupt landed inside an extension's embedded Python (torch's import).
-    assert proc.returncode in (130, -signal.SIGINT), err
-    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
-    assert _wait_empty(proc.pid) == []
-
-
-def test_a_ranks_clean_error_is_shown_once(model, tmp_path):
-    spec, ckpt = model
-    broken = tmp_path / "ckpt"
-    shutil.copytree(ckpt, broken)
-    index_path = broken / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    lost = sorted(index["weight_map"])[-1]
-    shard = broken / index["weight_map"].pop(lost)
-    tensors = load_file(shard)
-    del tensors[lost]
-    save_file(tensors, shard)
-    index_path.write_text(json.dumps(index))
-    proc = _cli(
-        "run", "--spec", str(spec), "--checkpoint", str(broken), "--tp", "2", "--prompt", "1"
-    )
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and lost in errors[0] and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
-    "prompt,words", [("", "empty prompt"), (",".join(["1"] * 500), "max_seq_len")]
-)
-def test_run_with_an_unusable_prompt_is_one_line(model, prompt, words):
-    spec, ckpt = model
-    proc = _cli(
-        "run", "--spec", str(spec), "--checkpoint", str(ckpt), "--tp", "1", "--prompt", prompt
-    )
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    assert words in line and "Traceback" not in err
-
-
 def test_a_tuned_file_from_other_versions_warns_and_uses_the_defaults(tmp_path):
     import warnings
 
@@ -515,7 +345,9 @@ def test_a_tuned_file_from_other_versions_warns_and_uses_the_defaults(tmp_path):
     path.write_text(json.dumps({"triton": "0.1", "torch": "1.0", "configs": {"1": meta}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gen = generate(TINY.read_text(), "tiny-llama", device="Fake GPU", config_root=tmp_path)
+        gen = generate(
+            parse_spec(TINY.read_text(), "tiny-llama"), device="Fake GPU", config_root=tmp_path
+        )
     assert any(issubclass(w.category, TunedFileWarning) for w in caught)
     used = json.loads(gen.files["manifest.json"])["kernels"]
     mine = next(k for k in used if k["file"] == kernel["file"])

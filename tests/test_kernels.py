@@ -10,9 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from codegen.families import down_proj, gemm_fixed, kv_cache, latent_up, paged_attention
-from runtime import reference
-from runtime.kernels import pick_config
+from codegen.families import down_proj, gemm_fixed, kv_copy, latent_up, paged_attention, rope
+from runtime.kernels import pick_config, reference
 from tests.kernel_utils import assert_close, context, import_kernel
 from tests.strategies import spec_dicts
 from tune.store import choose
@@ -97,9 +96,8 @@ def test_latent_up_chunks_sum_to_gather_then_gemm(raw, m, dtype, seed):
 )
 def test_gemm_fixed_respects_n_valid(k, n, rows, n_valid, dtype, seed):
     n_valid = min(n_valid, rows)
-    kf = gemm_fixed.kernel_file(
-        k, n, ["test"], choose("gemm_fixed", f"k{k}_n{n}", n, k, None, (1,))
-    )
+    choice = choose("gemm_fixed", f"k{k}_n{n}", n, k, None, (1,))
+    kf = gemm_fixed.kernel_file({(k, n): ["test"]}, choices={(k, n): choice})
     mod = import_kernel(kf)
     a = _randn(rows, k, dtype=dtype, seed=seed) / math.sqrt(k)
     b = _randn(k, n, dtype=dtype, seed=seed + 1)
@@ -109,7 +107,7 @@ def test_gemm_fixed_respects_n_valid(k, n, rows, n_valid, dtype, seed):
     mod.gemm_fixed(a, b, out, torch.tensor([n_valid], dtype=torch.int32), counter)
     assert_close(out[:n_valid], a[:n_valid].float() @ b.float(), dtype)
     assert (out[n_valid:] == sentinel).all(), "rows past n_valid were written"
-    meta = pick_config(mod.CONFIGS, rows)
+    meta = pick_config(mod.CONFIGS[(k, n)], rows)
     tiles_n = -(-n // meta["BLOCK_N"])
     assert counter.item() == -(-n_valid // meta["BLOCK_M"]) * tiles_n  # cost follows n_valid
     ref = torch.full((rows, n), sentinel, dtype=dtype)
@@ -128,7 +126,7 @@ COPY_CASES = {
 
 
 def _copy_kernel(width: int, block_size: int):
-    return import_kernel(kv_cache.copy_kernel_file(width, block_size))
+    return import_kernel(kv_copy.copy_kernel_file(width, block_size))
 
 
 @pytest.mark.parametrize("case", list(COPY_CASES))
@@ -180,7 +178,7 @@ def test_kv_block_copy_random_runs(width, block_size, lengths, seed):
 
 
 def _rope_kernel(heads: int, head_dim: int, style: str):
-    return import_kernel(kv_cache.rope_kernel_file(heads, head_dim, style))
+    return import_kernel(rope.rope_kernel_file(heads, head_dim, style))
 
 
 def _rope_complex(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, style: str):

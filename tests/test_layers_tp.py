@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from runtime.launcher import WorkerGroup
-from runtime.reference import apply_norm, rope_inplace
-from runtime.rope import inv_freq
+from runtime.dist.launcher import WorkerGroup
+from runtime.kernels.reference import apply_norm, rope_inplace
+from runtime.model.rope import inv_freq
 from tests.conftest import TP_EXAMPLES
 from tests.strategies import spec_dicts
 from tests.tp_workers import run_layers
@@ -144,7 +144,7 @@ def test_sharded_layers_equal_unsharded_reference(groups, tmp_path_factory, raw,
     spec = parse_spec(text)
     tp = spec.parallel.tp
     folder = tmp_path_factory.mktemp("gen") / spec.name
-    write_atomically(generate(text, spec.name).files, folder)
+    write_atomically(generate(parse_spec(text, spec.name)).files, folder)
     layers = _full_weights(spec, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, spec.model.hidden_size, generator=g)

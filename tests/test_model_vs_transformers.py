@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from runtime.decompose import model_section
-from runtime.launcher import WorkerGroup
+from runtime.dist.launcher import WorkerGroup
+from runtime.tools.decompose import model_section
 from tests.conftest import TP_EXAMPLES
 from tests.hf_models import FAMILIES, build_hf, decompose_with_cli, hf_configs, load_products
 from tests.strategies import matrix_limits
@@ -90,7 +90,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
     (tmp / "spec.yaml").write_text(text)
     decompose_with_cli(tmp / "dense", tmp / "spec.yaml", tmp / "lowrank")
     spec = parse_spec(text)
-    write_atomically(generate(text, "hf").files, tmp / "gen")
+    write_atomically(generate(parse_spec(text, "hf")).files, tmp / "gen")
     prompts = [
         data.draw(st.lists(st.integers(0, kwargs["vocab_size"] - 1), min_size=1, max_size=7))
         for _ in range(data.draw(st.integers(1, 3)))

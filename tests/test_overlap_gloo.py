@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from codegen.generate import generate, write_atomically
-from runtime.launcher import WorkerError, WorkerGroup, launch
+from dsl import parse_spec
+from runtime.dist.launcher import WorkerError, WorkerGroup, launch
 from tests.conftest import SPECS
 from tests.tp_workers import run_overlapped_up
 
@@ -21,7 +22,7 @@ def test_overlapped_up_projection_equals_gather_then_gemm(tmp_path, tp):
     raw["parallel"]["tp"] = tp
     text = yaml.safe_dump(raw)
     folder = tmp_path / "gen"
-    write_atomically(generate(text, "tiny").files, folder)
+    write_atomically(generate(parse_spec(text, "tiny")).files, folder)
     m = 5
     with WorkerGroup(tp, timeout_s=120) as workers:
         for group, shape_id in (("attn", "s0"), ("attn", "s1"), ("mlp", "s0"), ("mlp", "s1")):

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from codegen.families import kv_cache, paged_attention
-from runtime import reference
-from runtime.block_manager import BlockManager
-from runtime.kv_cache import plan_compaction
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import SamplingParams, Sequence, Status
+from codegen.families import kv_copy, paged_attention
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.kv_cache import plan_compaction
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import SamplingParams, Sequence, Status
+from runtime.kernels import reference
 from tests.kernel_utils import import_kernel
 
 
@@ -119,7 +119,7 @@ def _attend_both(tables, lens, backend, heads=4, kv_heads=2, d=8, bs=4, width=12
     )
     plan = plan_compaction(tables, lens, bs, max_blocks, 16, rows)
     compact = torch.full((16, bs, width), float("nan"))
-    copy = import_kernel(kv_cache.copy_kernel_file(width, bs))
+    copy = import_kernel(kv_copy.copy_kernel_file(width, bs))
     attn = import_kernel(paged_attention.kernel_file(heads, kv_heads, d, bs))
     if backend == "triton":
         copy.kv_block_copy(latent, compact, plan.copy_list, plan.num_runs)

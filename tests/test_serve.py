@@ -23,11 +23,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.engine import LLM
-from runtime.sequence import SamplingParams
+from runtime.engine.llm import LLM
+from runtime.engine.sequence import SamplingParams
 from runtime.serve.admission import BadRequest, chat_prompt
-from runtime.serve.bench_serve import ServerProcess
 from runtime.serve.text import TextStream
+from runtime.tools.bench.serve import ServerProcess
 from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
 
 VOCAB = 48

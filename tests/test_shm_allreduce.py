@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.launcher import launch
+from runtime.dist.launcher import launch
 from tests.conftest import TP_EXAMPLES
 from tests.tp_workers import mixed_layout_all_reduce, shm_all_reduce
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from codegen.cli import main as cli
+from codegen.cli.main import main as cli
 from dsl import load_spec
-from runtime.engine import LLM
-from runtime.hf_reference import load_transformers
-from runtime.sequence import SamplingParams
+from runtime.engine.llm import LLM
+from runtime.engine.sequence import SamplingParams
+from runtime.tools.hf_reference import load_transformers
 
 pytestmark = pytest.mark.real_model
 PROMPT = "The capital of France is"

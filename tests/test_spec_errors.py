@@ -162,7 +162,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     cases["missing field"] = (missing, "model.hidden_size: missing required field")
     for label, (path, message) in cases.items():
         proc = subprocess.run(
-            [sys.executable, "-m", "codegen.cli", "plan", str(path)],
+            [sys.executable, "-m", "codegen.cli.main", "plan", str(path)],
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -177,7 +177,15 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
 
 def test_cli_tp_override_is_validated():
     proc = subprocess.run(
-        [sys.executable, "-m", "codegen.cli", "plan", str(SPECS / "tiny-llama.yaml"), "--tp", "3"],
+        [
+            sys.executable,
+            "-m",
+            "codegen.cli.main",
+            "plan",
+            str(SPECS / "tiny-llama.yaml"),
+            "--tp",
+            "3",
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,

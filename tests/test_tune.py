@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from codegen.generate import generate, write_atomically
+from dsl import parse_spec
 from runtime.kernels import nearest_bucket, pick_config
 from tests.conftest import REPO, SPECS
 from tune.space import search_space, shared_memory_bytes, shared_memory_limit
@@ -98,9 +99,9 @@ def test_missing_corrupt_and_foreign_files_give_defaults(tmp_path):
 
 
 def test_tuner_keeps_the_fastest_skips_failures_and_stops_at_budget(tmp_path):
-    job = TuneJob("gemm_fixed", "k64_n9", "gemm_k64_n9.py", 9, 64)
+    job = TuneJob("gemm_fixed", "k64_n9", "gemm_fixed.py", 9, 64)
 
-    def timer(module, family, rows, meta):
+    def timer(module, job, rows, meta):
         if meta["num_warps"] == 8:
             raise RuntimeError("out of resources")
         return meta["BLOCK_K"] / 10 + meta["num_stages"] + rows / 1000
@@ -118,11 +119,11 @@ def test_tuner_keeps_the_fastest_skips_failures_and_stops_at_budget(tmp_path):
 def test_gen_bakes_tuned_configs_and_says_so(tmp_path):
     text = (SPECS / "tiny-llama.yaml").read_text()
     folder = tmp_path / "gen"
-    write_atomically(generate(text, "tiny-llama").files, folder)
+    write_atomically(generate(parse_spec(text, "tiny-llama")).files, folder)
     job = jobs_from_manifest(folder)[0]
     root = tmp_path / "configs"
     write_table(job.path("NVIDIA H200", root), {1: META, 8: {**META, "BLOCK_M": 16}}, {})
-    gen = generate(text, "tiny-llama", device="NVIDIA H200 NVL", config_root=root)
+    gen = generate(parse_spec(text, "tiny-llama"), device="NVIDIA H200 NVL", config_root=root)
     manifest = json.loads(gen.files["manifest.json"])
     sources = {k["file"]: k["meta_source"] for k in manifest["kernels"] if "meta_source" in k}
     assert sources[job.file].startswith("tuned: NVIDIA_H200/")
@@ -136,7 +137,7 @@ def test_dry_run_lists_space_and_files():
         [
             sys.executable,
             "-m",
-            "codegen.cli",
+            "codegen.cli.main",
             "tune",
             str(SPECS / "llama3-70b-r40.yaml"),
             "--dry-run",
@@ -155,7 +156,7 @@ def test_dry_run_lists_space_and_files():
         [
             sys.executable,
             "-m",
-            "codegen.cli",
+            "codegen.cli.main",
             "tune",
             str(SPECS / "tiny-llama.yaml"),
             "--device-name",

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from dsl import build_plan, parse_spec
-from runtime.comm import Comm
-from runtime.generated import load_generated
-from runtime.layers import LAYER_CLASSES, Batch, LayerSetup
-from runtime.rope import inv_freq
-from runtime.shard import DictSource, shard_layer
+from runtime.dist.comm import Comm
+from runtime.kernels.loader import load_generated
+from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
+from runtime.model.rope import inv_freq
+from runtime.model.shard import DictSource, shard_layer
 
 
 def causal_attention(captured: list):
@@ -61,7 +61,6 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
             setup = LayerSetup(
                 model=spec.model,
                 plan=lp,
-                shape_id=f"s{spec.layer_shapes().index(layer_ranks)}",
                 rank=rank,
                 comm=comm,
                 kernels=registry,
@@ -77,7 +76,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
 def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
     """Overlapped latent up-projection vs gather-then-GEMM on this rank; returns the
     max difference and the order in which chunks were consumed."""
-    from runtime import reference
+    from runtime.kernels import reference
 
     registry = load_generated(folder).KERNELS
     module = registry.module("latent_up", (group, shape_id))
@@ -106,9 +105,9 @@ def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
 
 def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
     """Logits of the packed ``prompts`` for each (mode, backend), with comm counts."""
-    from runtime.attention import packed_causal_attention
-    from runtime.model import TPModel
-    from runtime.weights import load_rank_weights
+    from runtime.model.attention import packed_causal_attention
+    from runtime.model.transformer import TPModel
+    from runtime.model.weights import load_rank_weights
 
     spec = parse_spec(spec_text)
     plan = build_plan(spec, tp=world)
@@ -143,7 +142,7 @@ def shm_all_reduce(rank, world, cases, seed):
 
     import torch.distributed as dist
 
-    from runtime.shm_allreduce import SharedMemoryAllReduce, available
+    from runtime.dist.shm_allreduce import SharedMemoryAllReduce, available
 
     assert available(world)
     shm = SharedMemoryAllReduce(rank, world, capacity=1 << 16)
@@ -166,7 +165,7 @@ def mixed_layout_all_reduce(rank, world, shape):
     """Rank r holds (r + 1)·base, rank 0 as a transposed view (what the eager GEMM returns
     for 16 to 64 rows), the others contiguous; the sum through ``Comm`` (gloo, and the
     shared-memory path) must be the logical sum on every rank."""
-    from runtime.shm_allreduce import SharedMemoryAllReduce
+    from runtime.dist.shm_allreduce import SharedMemoryAllReduce
 
     base = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
     out = []

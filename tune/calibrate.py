@@ -47,10 +47,10 @@ def probe_compute(
     import torch
     import torch.distributed as dist
 
-    from runtime.eager import matmul
+    from runtime.kernels.eager import matmul
 
     shapes = shapes or [(WIDTH, WIDTH)] * MATRICES
-    # Stored [out, in] and multiplied as the dynamic path does (runtime.eager.matmul).
+    # Stored [out, in] and multiplied as the dynamic path does (runtime.kernels.eager.matmul).
     weights = [torch.randn(n_out, n_in).t() for n_in, n_out in shapes]
     rows16 = {n_in: torch.randn(16, n_in) for n_in, _ in shapes}
     rows512 = torch.randn(512, WIDTH)
@@ -77,7 +77,7 @@ def _probe_rank(rank: int, world: int, threads: int, matrices: int) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    from runtime.comm import all_gather_flat
+    from runtime.dist.comm import all_gather_flat
 
     torch.set_num_threads(threads)
     result = {
@@ -118,7 +118,7 @@ def calibrate(
     of 2048² streamed per pass: fewer only to test the mechanics, they fit in caches)."""
     import platform
 
-    from runtime.launcher import WorkerGroup
+    from runtime.dist.launcher import WorkerGroup
 
     with WorkerGroup(tp, timeout_s=300, link=link) as group:
         ranks = group.run(_probe_rank, threads, matrices)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from dsl import load_spec
+
 BF16_TOL = 3e-2  # relative to the output scale; 8-bit mantissa inputs, fp32 accumulation
 
 
@@ -37,12 +39,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
 
 def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda") -> list[dict]:
     from codegen.generate import generate, write_atomically
-    from runtime.generated import load_generated
+    from runtime.kernels.loader import load_generated
 
     out = []
     for spec_path in spec_paths:
         with tempfile.TemporaryDirectory() as tmp:
-            gen = generate(spec_path.read_text(), spec_path.stem)
+            gen = generate(load_spec(spec_path))
             folder = Path(tmp) / gen.spec.name
             write_atomically(gen.files, folder)
             registry = load_generated(folder).KERNELS
@@ -97,23 +99,22 @@ def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda")
 
 def graph_checks(tmp: Path) -> dict:
     """Greedy tokens with and without CUDA graphs (bf16), and decode-step timing."""
-    import yaml
-
-    from runtime.demo import make_demo
-    from runtime.engine import LLM
-    from runtime.sequence import SamplingParams
+    from dsl import load_spec
+    from runtime.engine.llm import LLM
+    from runtime.engine.sequence import SamplingParams
+    from runtime.tools.demo import make_demo
 
     spec_path, ckpt = make_demo(tmp)
-    raw = yaml.safe_load(spec_path.read_text())
-    raw["runtime"].update(
-        dtype="bfloat16",
-        max_batch_size=16,
-        max_seq_len=128,
-        cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
+    bf16 = (
+        load_spec(spec_path)
+        .with_tp(1)
+        .with_runtime(
+            dtype="bfloat16",
+            max_batch_size=16,
+            max_seq_len=128,
+            cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
+        )
     )
-    raw["parallel"]["tp"] = 1
-    bf16 = tmp / "demo-bf16.yaml"
-    bf16.write_text(yaml.safe_dump(raw))
     prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
     params = SamplingParams(max_tokens=32)
     result = {}
@@ -139,7 +140,7 @@ def graph_checks(tmp: Path) -> dict:
 
 def tune_checks(budget_s: float, out: Path) -> dict:
     from codegen.generate import generate, write_atomically
-    from runtime.generated import load_generated
+    from runtime.kernels.loader import load_generated
     from tune.gpu_timer import cublas_ms, cuda_graph_timer
     from tune.store import CONFIG_ROOT, normalise_device_name
     from tune.tuner import jobs_from_manifest, tune
@@ -149,7 +150,7 @@ def tune_checks(budget_s: float, out: Path) -> dict:
     buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     timer = cuda_graph_timer()
     with tempfile.TemporaryDirectory() as tmp:
-        gen = generate(spec.read_text(), spec.stem)
+        gen = generate(load_spec(spec))
         folder = Path(tmp) / gen.spec.name
         write_atomically(gen.files, folder)
         jobs = jobs_from_manifest(folder)
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tune-budget-s", type=float, default=240.0)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: gpu_check needs a CUDA GPU; none is visible here", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     steps = {

@@ -6,11 +6,13 @@ from types import ModuleType
 
 import torch
 
+from tune.tuner import TuneJob
 
-def _inputs(module: ModuleType, family: str, rows: int, dtype: torch.dtype):
-    dev = "cuda"
-    if family == "gemm_fixed":
-        k, n = module.K.value, module.N.value
+
+def _inputs(module: ModuleType, job: TuneJob, rows: int, dtype: torch.dtype):
+    dev, family = "cuda", job.family
+    if family == "gemm_fixed":  # one module holds every (K, N): the job says which
+        k, n = job.k, job.n
         a, b = (
             torch.randn(rows, k, device=dev, dtype=dtype),
             torch.randn(k, n, device=dev, dtype=dtype),
@@ -45,8 +47,8 @@ def cuda_graph_timer(dtype: torch.dtype = torch.bfloat16):
     """A ``tune.tuner.Timer``: median ms of graph-replayed launches."""
     import triton.testing
 
-    def timer(module: ModuleType, family: str, rows: int, meta: dict) -> float:
-        launch = _inputs(module, family, rows, dtype)
+    def timer(module: ModuleType, job: TuneJob, rows: int, meta: dict) -> float:
+        launch = _inputs(module, job, rows, dtype)
         launch(meta)  # compile outside the graph
         torch.cuda.synchronize()
         return float(triton.testing.do_bench_cudagraph(lambda: launch(meta), rep=20))

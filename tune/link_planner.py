@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dsl import build_plan, load_spec
-from runtime.emulated_link import LinkSpec
+from runtime.dist.emulated_link import LinkSpec
 from tune.calibrate import calibrate, probe_compute, slowest_rank
 from tune.cost_model import (
     Workload,
@@ -58,7 +58,7 @@ class CostModelPlanner:
         fitted on this machine, as the tokens per forward are for Table 5. The roofline
         of the rates measured inside that engine's ranks, times ``compute_scale``, is
         the measured figure; every other figure is predicted with that scale."""
-        from runtime.launcher import WorkerGroup
+        from runtime.dist.launcher import WorkerGroup
 
         tp = max(cfg.tps)
         calibrating = self.profile is None
@@ -90,31 +90,32 @@ class CostModelPlanner:
             roofline_ms = self._compute_ms(spec, tp, mode, cfg, None, {})
             self.compute_scale = measured_ms / roofline_ms
             self.fitted = {"mode": mode, "measured_ms": measured_ms, "roofline_ms": roofline_ms}
-        rates = {}
         with WorkerGroup(tp, timeout_s=300, link=LinkSpec(1e9)) as group:
             if calibrating and fit is None:  # the compute rates on this model's matrices
                 self.profile = replace(
                     self.profile, **slowest_rank(group.run(probe_compute, self.shapes))
                 )
-            for entry in cfg.links:
-                target: dict[str, float] = {}
-                if entry.startswith(RATIO):
-                    ratio = float(entry[len(RATIO) :])
-                    wanted = link_rate_for_ratio(base, self._scaled(self.profile), work, ratio)
-                    nominal = self._tc_rate_for(group, wanted)
-                    target = {"comm_over_compute": ratio, "wanted_bytes_per_s": wanted}
-                else:
-                    nominal = LinkSpec.parse(entry).rate_bits_per_s
-                group.set_link(LinkSpec(nominal), probe=False)
-                measured = group.probe_link(self.message_bytes)["bytes_per_s"]
-                self.targets[entry] = {
-                    **target,
-                    "tc_rate_bits_per_s": nominal,
-                    "measured_bytes_per_s": measured,
-                    "message_bytes": self.message_bytes,
-                }
-                rates[entry] = f"{nominal:.0f}bit"
-        return rates
+            return {entry: self._set_rate(group, entry, base, work) for entry in cfg.links}
+
+    def _set_rate(self, group: Any, entry: str, base: Any, work: Any) -> str:
+        """Shape ``group``'s link as ``entry`` asks, measure it, return the tc rate."""
+        target: dict[str, float] = {}
+        if entry.startswith(RATIO):
+            ratio = float(entry[len(RATIO) :])
+            wanted = link_rate_for_ratio(base, self._scaled(self.profile), work, ratio)
+            nominal = self._tc_rate_for(group, wanted)
+            target = {"comm_over_compute": ratio, "wanted_bytes_per_s": wanted}
+        else:
+            nominal = LinkSpec.parse(entry).rate_bits_per_s
+        group.set_link(LinkSpec(nominal), probe=False)
+        measured = group.probe_link(self.message_bytes)["bytes_per_s"]
+        self.targets[entry] = {
+            **target,
+            "tc_rate_bits_per_s": nominal,
+            "measured_bytes_per_s": measured,
+            "message_bytes": self.message_bytes,
+        }
+        return f"{nominal:.0f}bit"
 
     def _tc_rate_for(self, group: Any, wanted: float, rounds: int = 4) -> float:
         """The tc rate at which all-gathers of Base's message size run at ``wanted``

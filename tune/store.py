@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.kernels import nearest_bucket
+from dsl.buckets import nearest_bucket
 
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")

@@ -20,7 +20,7 @@ from types import ModuleType
 from tune.space import TUNABLE_FAMILIES, search_space
 from tune.store import CONFIG_ROOT, config_path, write_table
 
-Timer = Callable[[ModuleType, str, int, dict], float]  # (module, family, rows, meta) -> ms
+Timer = Callable[[ModuleType, "TuneJob", int, dict], float]  # (module, job, rows, meta) -> ms
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,32 @@ def _dims(kernel: dict) -> tuple[int, int]:
     return parts["n"], parts["k"]
 
 
+def _best(
+    job: TuneJob,
+    module,
+    rows: int,
+    device: str,
+    timer: Timer,
+    deadline: float,
+    dtype_bytes: int,
+    progress,
+) -> tuple[dict | None, float, bool]:
+    """(fastest config, its ms, ran out of time) for one job at one row bucket."""
+    best, best_ms = None, float("inf")
+    for meta in search_space(job.n, job.k, rows, device, dtype_bytes):
+        if time.monotonic() > deadline:
+            return best, best_ms, True
+        try:
+            ms = timer(module, job, rows, meta)
+        except Exception as exc:  # a config the device cannot run: skip it
+            if progress:
+                progress(f"skip {job.file} rows {rows} {meta}: {type(exc).__name__}")
+            continue
+        if ms < best_ms:
+            best, best_ms = meta, ms
+    return best, best_ms, False
+
+
 def tune(
     jobs: list[TuneJob],
     modules: dict[str, ModuleType],
@@ -70,44 +96,31 @@ def tune(
     progress: Callable[[str], None] | None = None,
 ) -> dict[TuneJob, dict[int, dict]]:
     """Best config per job and bucket within ``budget_s``; writes one file per job."""
-    start = time.monotonic()
+    deadline = time.monotonic() + budget_s
     results: dict[TuneJob, dict[int, dict]] = {}
     out_of_time = False
     for job in jobs:
         table: dict[int, dict] = {}
         timings: dict[int, float] = {}
         for rows in buckets:
-            best, best_ms = None, float("inf")
-            for meta in search_space(job.n, job.k, rows, device, dtype_bytes):
-                if time.monotonic() - start > budget_s:
-                    out_of_time = True
-                    break
-                try:
-                    ms = timer(modules[job.file], job.family, rows, meta)
-                except Exception as exc:
-                    if progress:
-                        progress(f"skip {job.file} rows {rows} {meta}: {type(exc).__name__}")
-                    continue
-                if ms < best_ms:
-                    best, best_ms = meta, ms
+            best, best_ms, out_of_time = _best(
+                job, modules[job.file], rows, device, timer, deadline, dtype_bytes, progress
+            )
             if best is not None:
                 table[rows], timings[rows] = best, best_ms
             if out_of_time:
                 break
         if table:
-            write_table(
-                job.path(device, root),
-                table,
-                {
-                    "date": date.today().isoformat(),
-                    "device": device,
-                    "kernel": job.file,
-                    "milliseconds": {str(b): timings[b] for b in table},
-                },
-            )
+            about = {
+                "date": date.today().isoformat(),
+                "device": device,
+                "kernel": f"{job.file} {job.shape_key}",
+                "milliseconds": {str(b): timings[b] for b in table},
+            }
+            write_table(job.path(device, root), table, about)
             results[job] = table
         if progress:
-            progress(f"{job.file}: {len(table)} bucket(s) tuned")
+            progress(f"{job.file} {job.shape_key}: {len(table)} bucket(s) tuned")
         if out_of_time:
             break
     return results

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from dsl import Plan, Spec
 from dsl.plan import LayerPlan
-from dsl.spec import LayerRanks
 from tune.store import CONFIG_ROOT, ConfigChoice, choose
 
 
@@ -21,9 +20,6 @@ class GenContext:
     @property
     def tp(self) -> int:
         return self.plan.tp
-
-    def shape_id(self, shape: LayerRanks) -> str:
-        return f"s{self.spec.layer_shapes().index(shape)}"
 
     def layer_plans(self, mode: str) -> tuple[LayerPlan, ...]:
         return self.plan.modes[mode].layer_plans

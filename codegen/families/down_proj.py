@@ -16,7 +16,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
     norm = ctx.spec.model.norm
     files = []
     for lp in ctx.layer_plans("deinfer"):
-        shape_id = ctx.shape_id(lp.shape)
+        shape_id = lp.shape_id
         for cat in lp.concats:
             key = f"k{cat.in_features}_n{cat.width}"
             choice = ctx.meta("down_proj", key, cat.width, cat.in_features)

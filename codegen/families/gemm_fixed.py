@@ -1,16 +1,13 @@
-"""Fixed-size GEMMs: one file per distinct (K, N) that any mode multiplies by, plus the
-latent-cache reconstruction GEMMs."""
+"""Fixed-size GEMMs: one file, one kernel specialised per distinct (K, N) that any mode
+multiplies by (plus the latent-cache reconstruction GEMMs)."""
 
 from __future__ import annotations
 
 from codegen.families.context import GenContext
 from codegen.render import KernelFile
 from dsl.plan import MODES
-from tune.store import ConfigChoice
 
-
-def file_name(k: int, n: int) -> str:
-    return f"gemm_k{k}_n{n}.py"
+FILE_NAME = "gemm_fixed.py"
 
 
 def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
@@ -19,7 +16,6 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
     uses: dict[tuple[int, int], list[str]] = {}
     for mode in MODES:
         for lp in ctx.layer_plans(mode):
-            sid = ctx.shape_id(lp.shape)
             # In deinfer mode the up factors of a concat group run in the latent_up kernel.
             latent_up = (
                 {n for c in lp.concats for n, _ in c.members} if mode == "deinfer" else set()
@@ -28,33 +24,42 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
                 if f.factor == "bias" or (f.factor == "up" and f.matrix in latent_up):
                     continue
                 k, n = f.local_shape(0)
-                uses.setdefault((k, n), []).append(f"{mode} {sid} {f.tensor}")
+                uses.setdefault((k, n), []).append(f"{mode} {lp.shape_id} {f.tensor}")
             if mode == "deinfer" and lp.kv_latent_per_rank is not None:
                 for name in ("k", "v"):  # reconstruction of the latent cache
                     k, n = lp.factor(f"{name}.u").local_shape(0)
-                    uses.setdefault((k, n), []).append(f"deinfer {sid} {name}.u reconstruct")
+                    uses.setdefault((k, n), []).append(
+                        f"deinfer {lp.shape_id} {name}.u reconstruct"
+                    )
     return dict(sorted(uses.items()))
 
 
-def kernel_file(k: int, n: int, uses: list[str], choice: ConfigChoice) -> KernelFile:
-    values = {
-        "k": k,
-        "n": n,
-        "used_by": ", ".join(sorted(set(uses))),
-        "configs": choice.configs,
-        "meta_source": choice.source,
-    }
-    return KernelFile(
-        "gemm_fixed",
-        file_name(k, n),
-        "gemm_fixed.py.j2",
-        values,
-        {"shape_key": f"k{k}_n{n}", "configs": choice.configs, "meta_source": choice.source},
-    )
+def kernel_file(
+    shapes: dict[tuple[int, int], list[str]],
+    ctx: GenContext | None = None,
+    choices: dict | None = None,
+) -> KernelFile:
+    """The one GEMM file for ``shapes``; meta-parameters from ``choices`` ((k, n) ->
+    ConfigChoice) or, given ``ctx``, from the tuned-config store."""
+    if choices is None:
+        choices = {(k, n): ctx.meta("gemm_fixed", f"k{k}_n{n}", n, k) for k, n in shapes}
+    entries = [
+        {
+            "k": k,
+            "n": n,
+            "used_by": ", ".join(sorted(set(uses))),
+            "configs": choices[(k, n)].configs,
+            "meta_source": choices[(k, n)].source,
+        }
+        for (k, n), uses in shapes.items()
+    ]
+    manifest = [
+        {"shape_key": f"k{e['k']}_n{e['n']}", **{key: e[key] for key in ("configs", "meta_source")}}
+        for e in entries
+    ]
+    return KernelFile("gemm_fixed", FILE_NAME, "gemm_fixed.py.j2", {"shapes": entries}, manifest)
 
 
 def generate(ctx: GenContext) -> list[KernelFile]:
-    return [
-        kernel_file(k, n, uses, ctx.meta("gemm_fixed", f"k{k}_n{n}", n, k))
-        for (k, n), uses in gemm_shapes(ctx).items()
-    ]
+    shapes = gemm_shapes(ctx)
+    return [kernel_file(shapes, ctx)] if shapes else []

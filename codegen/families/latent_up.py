@@ -28,7 +28,7 @@ def segment_table(cat, tp: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
 def generate(ctx: GenContext) -> list[KernelFile]:
     files = []
     for lp in ctx.layer_plans("deinfer"):
-        shape_id = ctx.shape_id(lp.shape)
+        shape_id = lp.shape_id
         for cat in lp.concats:
             widths = [lp.factor(f"{name}.u").local_shape(0)[1] for name, _ in cat.members]
             key = f"c{cat.width}_" + "_".join(

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine import LLM
-from runtime.sequence import SamplingParams
+from runtime.engine.llm import LLM
+from runtime.engine.sequence import SamplingParams
 from runtime.serve.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from runtime.serve.text import TextStream
 

@@ -5,7 +5,7 @@ message is one line; the server keeps serving after any of them."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,24 +13,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.engine import LLM
-from runtime.serve.admission import Admitted, BadRequest, admit, chat_prompt, completion_prompt
+from runtime.engine.llm import LLM
+from runtime.serve.admission import BadRequest, admit, chat_prompt, completion_prompt
 from runtime.serve.engine_loop import EngineDead, EngineLoop, QueueFull
-from runtime.serve.generation import (
-    Generation,
-    GenerationFailed,
-    Piece,
-    chat_logprobs,
-    completion_logprobs,
-)
+from runtime.serve.generation import Generation, GenerationFailed
 from runtime.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
-    new_id,
     now,
     usage,
 )
+from runtime.serve.shapes import ChatShape, CompletionShape
+
+Shape = CompletionShape | ChatShape
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -52,6 +48,99 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class Routes:
+    """The endpoints of one server: one engine, one served model name."""
+
+    def __init__(self, llm: LLM, engine: EngineLoop, model_name: str) -> None:
+        self.llm, self.engine, self.model_name = llm, engine, model_name
+        self.metrics = engine.metrics
+
+    async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        self.metrics.rejected.labels(status="400").inc()
+        return _error(400, _validation_message(exc))
+
+    async def bad(self, request: Request, exc: BadRequest) -> JSONResponse:
+        self.metrics.rejected.labels(status=str(exc.status)).inc()
+        return _error(exc.status, str(exc), exc.param)
+
+    def start(self, req: Any, prompt: list[int], logprobs: int | None) -> Generation:
+        if req.model != self.model_name:
+            raise BadRequest(
+                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+            )
+        admitted = admit(req, prompt, self.llm, logprobs)
+        try:
+            handle = self.engine.submit(admitted.prompt, admitted.params)
+        except QueueFull as exc:
+            raise BadRequest(str(exc), status=503) from None
+        except EngineDead as exc:
+            raise BadRequest(f"the engine is not running: {exc}", status=503) from None
+        return Generation(self.engine, handle, admitted.text)
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        gen = self.start(req, completion_prompt(req, self.llm), req.logprobs)
+        shape = CompletionShape(self.llm.tokenizer, gen, self.model_name)
+        return await _respond(request, gen, req.stream, req.include_usage(), shape)
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        gen = self.start(req, chat_prompt(req, self.llm), top)
+        shape = ChatShape(self.llm.tokenizer, gen, self.model_name)
+        return await _respond(request, gen, req.stream, req.include_usage(), shape)
+
+    async def models(self) -> dict:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "deinfer",
+            "max_model_len": self.llm.spec.runtime.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        load = self.engine.load
+        if not load.alive:
+            return _error(503, f"the engine is not running: {load.error}")
+        return JSONResponse({"status": "ok", "running": load.running, "waiting": load.waiting})
+
+    async def prometheus(self) -> Response:
+        text = self.metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _events(gen: Generation, include_usage: bool, shape: Shape) -> AsyncIterator[str]:
+    try:
+        async for piece in gen.pieces():
+            yield _sse(shape.chunk(piece, None))
+    except GenerationFailed as exc:
+        yield _sse(error_body(str(exc), "server_error"))
+        return
+    yield _sse(shape.chunk(None, gen.finish_reason))
+    if include_usage:
+        counts = usage(len(gen.handle.prompt), gen.completion_tokens)
+        yield _sse(shape.chunk(None, None) | {"choices": [], "usage": counts})
+    yield _sse("[DONE]")
+
+
+async def _respond(
+    request: Request, gen: Generation, stream: bool, include_usage: bool, shape: Shape
+) -> Response:
+    if stream:
+        events = _events(gen, include_usage, shape)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        pieces = await gen.collect(request.is_disconnected)
+    except GenerationFailed as exc:
+        return _error(500, str(exc))
+    if pieces is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    counts = usage(len(gen.handle.prompt), gen.completion_tokens)
+    return JSONResponse(shape.whole(pieces) | {"usage": counts})
+
+
 def build_app(llm: LLM, engine: EngineLoop, model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,150 +149,12 @@ def build_app(llm: LLM, engine: EngineLoop, model_name: str) -> FastAPI:
         engine.stop()
 
     app = FastAPI(title="DeInfer", lifespan=lifespan)
-    metrics = engine.metrics
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(status="400").inc()
-        return _error(400, _validation_message(exc))
-
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, exc: BadRequest) -> JSONResponse:
-        metrics.rejected.labels(status=str(exc.status)).inc()
-        return _error(exc.status, str(exc), exc.param)
-
-    def start(req: Any, prompt: list[int], logprobs: int | None) -> tuple[Generation, Admitted]:
-        if req.model != model_name:
-            raise BadRequest(
-                f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                status=404,
-                param="model",
-            )
-        admitted = admit(req, prompt, llm, logprobs)
-        try:
-            handle = engine.submit(admitted.prompt, admitted.params)
-        except QueueFull as exc:
-            raise BadRequest(str(exc), status=503) from None
-        except EngineDead as exc:
-            raise BadRequest(f"the engine is not running: {exc}", status=503) from None
-        return Generation(engine, handle, admitted.text), admitted
-
-    async def respond(
-        request: Request,
-        gen: Generation,
-        stream: bool,
-        include_usage: bool,
-        chunk: Callable[[Piece | None, str | None], dict],
-        whole: Callable[[list[Piece]], dict],
-    ) -> Response:
-        prompt_tokens = len(gen.handle.prompt)
-        if stream:
-
-            async def events() -> AsyncIterator[str]:
-                try:
-                    async for piece in gen.pieces():
-                        yield _sse(chunk(piece, None))
-                except GenerationFailed as exc:
-                    yield _sse(error_body(str(exc), "server_error"))
-                    return
-                yield _sse(chunk(None, gen.finish_reason))
-                if include_usage:
-                    yield _sse(
-                        chunk(None, None)
-                        | {"choices": [], "usage": usage(prompt_tokens, gen.completion_tokens)}
-                    )
-                yield _sse("[DONE]")
-
-            return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            pieces = await gen.collect(request.is_disconnected)
-        except GenerationFailed as exc:
-            return _error(500, str(exc))
-        if pieces is None:  # the client left; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(whole(pieces) | {"usage": usage(prompt_tokens, gen.completion_tokens)})
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        gen, _ = start(req, completion_prompt(req, llm), req.logprobs)
-        rid, created = new_id("cmpl"), now()
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        sent = 0
-
-        def chunk(piece: Piece | None, finish: str | None) -> dict:
-            nonlocal sent
-            text = piece.text if piece else ""
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            choice["logprobs"] = None
-            if piece:
-                choice["logprobs"] = completion_logprobs(llm.tokenizer, [piece], sent)
-            if piece and piece.token_id is not None:  # vLLM's extension: ids, tokenizer or not
-                choice["token_ids"] = [piece.token_id]
-            sent += len(text)
-            return head | {"choices": [choice]}
-
-        def whole(pieces: list[Piece]) -> dict:
-            choice = {
-                "index": 0,
-                "text": "".join(p.text for p in pieces),
-                "logprobs": completion_logprobs(llm.tokenizer, pieces, 0),
-                "finish_reason": gen.finish_reason,
-                "token_ids": [p.token_id for p in pieces if p.token_id is not None],
-            }
-            return head | {"choices": [choice]}
-
-        return await respond(request, gen, req.stream, req.include_usage(), chunk, whole)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        gen, _ = start(req, chat_prompt(req, llm), top)
-        rid, created = new_id("chatcmpl"), now()
-        head = {"id": rid, "created": created, "model": model_name}
-        first = True
-
-        def chunk(piece: Piece | None, finish: str | None) -> dict:
-            nonlocal first
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
-            first = False
-            if piece:
-                delta["content"] = piece.text
-            logprobs = chat_logprobs(llm.tokenizer, [piece]) if piece else None
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return head | {"object": "chat.completion.chunk", "choices": [choice]}
-
-        def whole(pieces: list[Piece]) -> dict:
-            message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": chat_logprobs(llm.tokenizer, pieces),
-                "finish_reason": gen.finish_reason,
-            }
-            return head | {"object": "chat.completion", "choices": [choice]}
-
-        return await respond(request, gen, req.stream, req.include_usage(), chunk, whole)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "deinfer",
-            "max_model_len": llm.spec.runtime.max_seq_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health() -> Response:
-        load = engine.load
-        if not load.alive:
-            return _error(503, f"the engine is not running: {load.error}")
-        return JSONResponse({"status": "ok", "running": load.running, "waiting": load.waiting})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    routes = Routes(llm, engine, model_name)
+    app.add_exception_handler(RequestValidationError, routes.invalid)
+    app.add_exception_handler(BadRequest, routes.bad)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    app.get("/v1/models")(routes.models)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.prometheus)
     return app

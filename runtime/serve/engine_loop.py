@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from runtime.engine import LLM
-from runtime.sampling import TokenLogprobs
-from runtime.sequence import SamplingParams, Sequence, Status
+from runtime.engine.llm import LLM
+from runtime.engine.sampling import TokenLogprobs
+from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.serve.metrics import ServerMetrics
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.sampling import TokenLogprobs
+from runtime.engine.sampling import TokenLogprobs
 from runtime.serve.engine_loop import EngineLoop, Finished, RequestHandle
 from runtime.serve.text import TextStream
 

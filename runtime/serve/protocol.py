@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.sequence import MAX_LOGPROBS
+from runtime.engine.sequence import MAX_LOGPROBS
 
 
 class _Request(BaseModel):

@@ -1,0 +1,70 @@
+"""The engine options ``deinfer run`` and ``deinfer serve`` share, and the engine they
+open with them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dsl.plan import MODES
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", required=True, type=Path)
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--tp", type=int, default=None, help="default: the spec's")
+    p.add_argument("--mode", choices=MODES, default="deinfer")
+    p.add_argument("--kv-cache", choices=("dense", "latent", "auto"), default=None)
+    p.add_argument(
+        "--backend",
+        choices=("triton", "torch"),
+        default=None,
+        help="static path's kernels; default: triton on a GPU, torch on a CPU",
+    )
+    p.add_argument(
+        "--path",
+        choices=("static", "dynamic"),
+        default=None,
+        help="static: fixed buffers and CUDA graphs (default on a GPU); dynamic: shapes follow "
+        "the batch, plain torch (default on a CPU)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE[,LATENCY]",
+        help="run the ranks in network namespaces behind an emulated link, e.g. 200mbit "
+        "(tc units; needs root and iproute2)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds a rank may go silent (stopped, hung) before the engine stops naming "
+        "it (default 15)",
+    )
+
+
+def open_engine(args: argparse.Namespace):
+    """The ``LLM`` the options describe (use it as a context manager)."""
+    from runtime.dist.launcher import HEARTBEAT_S
+    from runtime.engine.llm import LLM
+
+    print(
+        f"loading {args.checkpoint} (spec {args.spec}, mode {args.mode}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    return LLM(
+        args.spec,
+        args.checkpoint,
+        tp=args.tp,
+        mode=args.mode,
+        kv_cache=args.kv_cache,
+        backend=args.backend,
+        path=args.path,
+        threads=args.threads,
+        link=args.link,
+        heartbeat_s=args.timeout_s or HEARTBEAT_S,
+    )

@@ -1,0 +1,4 @@
+"""Processes and collectives: the ``Comm`` wrapper over ``torch.distributed``
+(``comm``), the same-host shared-memory all-reduce (``shm_allreduce``), worker groups
+and torchrun (``launcher``), emulated links between network namespaces
+(``emulated_link``)."""

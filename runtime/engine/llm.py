@@ -1,0 +1,394 @@
+"""The engine API: ``LLM(spec, checkpoint, tp, mode, backend).generate(prompts, params)``.
+
+The driver (this process) owns the scheduler and the block manager; each tensor-parallel
+rank owns a ``ModelRunner`` (in worker processes for tp > 1, here for tp 1). A step
+sends the scheduled sequences to every rank; every rank samples the same token from the
+same gathered logits with the same per-request generator, and rank 0's answer is used.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from codegen import generated_folder
+from dsl import MODES, Spec, build_plan, load_spec
+from dsl.errors import UserError
+from dsl.spec import DTYPE_BYTES
+from runtime.dist.emulated_link import LinkSpec
+from runtime.dist.launcher import (
+    HEARTBEAT_S,
+    LocalWorker,
+    WorkerGroup,
+    init_from_env,
+    under_torchrun,
+)
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.kv_cache import bytes_per_block
+from runtime.engine.model_runner import (
+    PATHS,
+    ModelRunner,
+    RunnerConfig,
+    SeqInput,
+    default_path,
+    default_threads,
+)
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import SamplingParams, Sequence, Status
+from runtime.kernels import BACKENDS
+from runtime.model.checkpoint import has_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # perf_counter per token
+    num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, if asked
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request: int  # index into the prompts given
+    token_id: int
+    time: float  # perf_counter
+    finished: bool
+
+
+def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
+    return ModelRunner(rank, world, config)
+
+
+def _check_choices(mode: str, path: str | None, kv: str) -> None:
+    if mode not in MODES:
+        raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
+    if path is not None and path not in PATHS:
+        raise UserError(f"path must be one of {', '.join(PATHS)}, found {path!r}")
+    if kv == "latent" and mode != "deinfer":
+        raise UserError(
+            "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
+        )
+
+
+def _backend(backend: str | None, path: str) -> str:
+    """The static path's kernels: triton on a GPU, torch on a CPU; triton on a CPU only
+    in Triton's interpreter (the dynamic path always runs the eager kernels)."""
+    if backend is None:
+        return "triton" if torch.cuda.is_available() else "torch"
+    if backend not in BACKENDS:
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
+    runnable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and path == "static" and not runnable:
+        raise UserError(
+            "backend triton needs a GPU (or TRITON_INTERPRET=1 to run the kernels in "
+            "Triton's interpreter on the CPU); on a CPU use the default path"
+        )
+    return backend
+
+
+class LLM:
+    """The engine. ``spec`` is a parsed ``Spec`` or the path of a spec file (read once);
+    ``tp`` replaces the spec's TP degree."""
+
+    def __init__(
+        self,
+        spec: Spec | str | Path,
+        checkpoint: str | Path,
+        tp: int | None = None,
+        mode: str = "deinfer",
+        backend: str | None = None,
+        kv_cache: str | None = None,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int = 256 << 20,
+        cuda_graphs: bool = True,
+        generated_root: str | Path = "generated",
+        timeout_s: float = 600.0,
+        comm_stats: str = "off",
+        overlap: bool = True,
+        overlap_min_rows: int = 0,
+        path: str | None = None,
+        threads: int | None = None,
+        prefill_chunk: int = 512,
+        shm_allreduce: bool = True,
+        link: LinkSpec | str | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
+        spec = spec if isinstance(spec, Spec) else load_spec(spec)
+        self.spec = spec if tp is None else spec.with_tp(tp)
+        kv = kv_cache or self.spec.runtime.kv_cache
+        _check_choices(mode, path, kv)
+        self.path = path or default_path()
+        self.backend = _backend(backend, self.path)
+        self.plan = build_plan(self.spec).modes[mode]
+        if num_blocks is None:
+            num_blocks = self._blocks_for_budget(kv, kv_memory_bytes)
+        self.blocks, self.scheduler = self._scheduler(num_blocks)
+        self.link = LinkSpec.parse(link) if isinstance(link, str) else link
+        self.threads = threads or default_threads(self.spec.parallel.tp)
+        config = RunnerConfig(
+            spec=self.spec,
+            generated=str(generated_folder(self.spec, generated_root)),
+            checkpoint=str(checkpoint),
+            mode=mode,
+            backend=self.backend,
+            kv_cache=kv,
+            num_blocks=num_blocks,
+            cuda_graphs=cuda_graphs,
+            comm_stats=comm_stats,
+            overlap=overlap,
+            overlap_min_rows=overlap_min_rows,
+            path=self.path,
+            threads=self.threads,
+            prefill_chunk=prefill_chunk,
+            # with an emulated link every collective must cross it
+            shm_allreduce=shm_allreduce and self.link is None,
+        )
+        # Before any rank starts: a bad tokenizer must not leave ranks behind.
+        self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)
+        self._owns_group = False
+        self.workers = self._start_workers(config, timeout_s, heartbeat_s)
+        self._next_id = 0
+
+    def _scheduler(self, num_blocks: int) -> tuple[BlockManager, Scheduler]:
+        rt = self.spec.runtime
+        blocks = BlockManager(num_blocks, rt.block_size)
+        config = SchedulerConfig(
+            max_batch_size=rt.max_batch_size,
+            max_seq_len=rt.max_seq_len,
+            max_prefill_tokens=max(rt.max_seq_len, 2048),
+        )
+        return blocks, Scheduler(config, blocks)
+
+    def _start_workers(self, config: RunnerConfig, timeout_s: float, heartbeat_s: float):
+        tp_size = self.spec.parallel.tp
+        init = (_run_runner, (config,))
+        if under_torchrun():
+            # Every rank runs this driver; the scheduler is deterministic and every rank
+            # samples the same tokens, so the ranks stay in lockstep.
+            if self.link is not None:
+                raise UserError("emulated links need the built-in launcher, not torchrun")
+            if not dist.is_initialized():
+                init_from_env(timeout_s)
+                self._owns_group = True
+            if dist.get_world_size() != tp_size:
+                raise UserError(f"torchrun started {dist.get_world_size()} ranks, tp is {tp_size}")
+            return LocalWorker(init, spmd=True)
+        if tp_size == 1:
+            return LocalWorker(init)
+        return WorkerGroup(
+            tp_size, timeout_s=timeout_s, init=init, link=self.link, heartbeat_s=heartbeat_s
+        )
+
+    def describe_path(self) -> str:
+        """e.g. "dynamic path (eager kernels), 2 threads per rank"."""
+        kernels = "eager" if self.path == "dynamic" else self.backend
+        threads = f"{self.threads} thread{'' if self.threads == 1 else 's'} per rank"
+        text = f"{self.path} path ({kernels} kernels), {threads}"
+        probe = getattr(self.workers, "link_probe", None)
+        if self.link is not None and probe:
+            text += (
+                f"; emulated link {self.link.describe()}: one all-gather of "
+                f"{probe['bytes'] / 1e6:.2f} MB per rank received "
+                f"{probe['bytes_per_s'] / 1e6:.1f} MB/s per rank"
+            )
+        return text
+
+    def set_link(self, link: LinkSpec | str, probe: bool = True) -> dict[str, float] | None:
+        """Reshape the emulated links between the ranks; the all-gather probe measured
+        across them (unless ``probe`` is False)."""
+        self.link = LinkSpec.parse(link) if isinstance(link, str) else link
+        if not isinstance(self.workers, WorkerGroup) or self.workers.links is None:
+            raise UserError("set_link needs an engine started with link=... at tp >= 2")
+        return self.workers.set_link(self.link, probe)
+
+    def _blocks_for_budget(self, kv: str, budget: int) -> int:
+        rt = self.spec.runtime
+        plans = [self.plan.layer_plan(r) for r in self.spec.decomposition.layers]
+        kinds = [lp.cache_kind(kv) for lp in plans]
+        per_block = bytes_per_block(plans, kinds, rt.block_size, DTYPE_BYTES[rt.dtype])
+        wanted = rt.max_batch_size * -(-rt.max_seq_len // rt.block_size)
+        return max(1, min(wanted, budget // max(1, per_block)))
+
+    @staticmethod
+    def _tokenizer(checkpoint: Path, vocab: int):
+        if not has_tokenizer(checkpoint):
+            return None
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        if len(tokenizer) > vocab:
+            raise UserError(
+                f"the tokenizer in {checkpoint} has {len(tokenizer)} tokens, more than the "
+                f"model's vocabulary of {vocab} (its ids from {vocab} up have no embedding)"
+            )
+        return tokenizer
+
+    # --- requests ----------------------------------------------------------------------
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError("text prompts need a tokenizer in the checkpoint; give token ids")
+            return list(self.tokenizer.encode(prompt))
+        vocab = self.spec.model.vocab_size
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise UserError(f"prompt token {i} is {str(t)[:40]!r}: token ids are integers")
+            if not 0 <= t < vocab:
+                raise UserError(f"prompt token {i} is {t}; the vocabulary has ids 0 to {vocab - 1}")
+        return [int(t) for t in ids]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=params)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[tuple[Sequence, int, float]]:
+        """One scheduler step: (sequence, new token, time) for each sequence it advanced."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        inputs = [
+            SeqInput(
+                id=s.id,
+                tokens=s.tokens if is_prefill else s.tokens[-1:],
+                length=len(s),
+                block_table=list(s.block_table),
+                params=s.params,
+            )
+            for s in seqs
+        ]
+        tokens, logprobs = self.workers.call("step", inputs, is_prefill)[0]
+        now = time.perf_counter()
+        events = []
+        finished = []
+        for i, (s, token) in enumerate(zip(seqs, tokens, strict=True)):
+            s.output.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                s.logprobs.append(logprobs[i])
+            events.append((s, token, now))
+            if token in s.params.stop_token_ids:
+                self.scheduler.finish(s, "stop")
+            elif len(s.output) >= s.params.max_tokens:
+                self.scheduler.finish(s, "length")
+            if s.status is Status.FINISHED:
+                finished.append(s.id)
+        if finished:
+            self.workers.call("release", finished)
+        return events
+
+    def unfit_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run on this engine (too long for
+        max_seq_len, more blocks than the pool has), or None."""
+        return self.scheduler.unfit_reason(prompt_len, max_tokens)
+
+    def abort(self, seq: Sequence) -> None:
+        """End a request now, waiting or running; its blocks return to the pool."""
+        if self.scheduler.abort(seq):
+            self.workers.call("release", [seq.id])
+
+    def score(self, prompt: str | list[int]) -> torch.Tensor:
+        """Log-probabilities [L, vocab] of the next token after each prompt position
+        (teacher forcing), through the serving path; needs an idle engine."""
+        if self.scheduler.has_work():
+            raise UserError("score needs an idle engine (requests are still running)")
+        seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=SamplingParams())
+        self._next_id += 1
+        if not 1 <= len(seq) <= self.spec.runtime.max_seq_len:
+            raise UserError(
+                f"score: {len(seq)} tokens, expected 1 to runtime.max_seq_len "
+                f"({self.spec.runtime.max_seq_len})"
+            )
+        if not self.blocks.can_allocate(seq):
+            raise UserError(f"score: {len(seq)} tokens do not fit in the KV-cache pool")
+        self.blocks.allocate(seq)
+        try:
+            inputs = SeqInput(seq.id, seq.prompt, len(seq), list(seq.block_table), seq.params)
+            return self.workers.call("score", inputs)[0]
+        finally:
+            self.blocks.free_sequence(seq)
+
+    def _submit(self, prompts, params) -> list[Sequence]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        # Every prompt checked before any is queued: a bad one changes nothing.
+        encoded = [self._encode(p) for p in prompts]
+        return [self.add_request(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+
+    def stream(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Tokens as they are produced, with timestamps (for TTFT and ITL)."""
+        seqs = self._submit(prompts, params)
+        index = {s.id: i for i, s in enumerate(seqs)}
+        while self.scheduler.has_work():
+            for s, token, t in self.step():
+                if s.id in index:
+                    yield StreamEvent(index[s.id], token, t, s.status is Status.FINISHED)
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        start = time.perf_counter()
+        seqs = self._submit(prompts, params)
+        index = {s.id: i for i, s in enumerate(seqs)}
+        times: list[list[float]] = [[] for _ in seqs]
+        while self.scheduler.has_work():
+            for s, _, t in self.step():
+                if s.id in index:
+                    times[index[s.id]].append(t)
+        return [
+            RequestOutput(
+                prompt_token_ids=s.prompt,
+                token_ids=s.output,
+                finish_reason=s.finish_reason,
+                text=self.tokenizer.decode(s.output) if self.tokenizer else None,
+                arrival=start,
+                token_times=times[i],
+                num_preemptions=s.num_preemptions,
+                logprobs=s.logprobs,
+            )
+            for i, s in enumerate(seqs)
+        ]
+
+    def close(self) -> None:
+        self.workers.close()
+        if self._owns_group and dist.is_initialized():
+            # Under torchrun: leave together and take the group down, so no rank exits
+            # while a peer's gloo threads still talk to it (that aborts the process).
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,384 @@
+"""One rank's model runner: weights, paged KV cache, chunked prefill and decode on one
+of two paths. ``static`` (GPU): fixed buffers per batch-size bucket, captured as CUDA
+graphs (``runtime.engine.static_decode``). ``dynamic`` (CPU): every shape follows the batch,
+work proportional to the tokens that exist (``runtime.model.eager_attention``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dsl import Spec, build_plan
+from dsl.plan import ModePlan
+from runtime.dist.comm import Comm
+from runtime.dist.shm_allreduce import SharedMemoryAllReduce
+from runtime.dist.shm_allreduce import available as shm_available
+from runtime.engine.kv_cache import allocate
+from runtime.engine.sampling import TokenLogprobs, make_generator, sample, token_logprobs
+from runtime.engine.sequence import SamplingParams
+from runtime.engine.static_decode import StaticDecoder, StaticShapes
+from runtime.kernels.eager import rope_tables
+from runtime.kernels.loader import load_generated
+from runtime.model.eager_attention import (
+    CacheContext,
+    LatentFactors,
+    cache_context,
+    causal_attention,
+    decode_dense,
+    decode_latent,
+    gather,
+)
+from runtime.model.layers import Batch
+from runtime.model.paged_cache import LayerCache
+from runtime.model.transformer import TPModel
+from runtime.model.weights import load_rank_weights
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PATHS = ("static", "dynamic")
+
+
+# What a step returns: a token per sequence, and log-probabilities where any was asked.
+Sampled = tuple[list[int], list[TokenLogprobs | None] | None]
+
+
+def default_path() -> str:
+    """Static (graph-safe, CUDA graphs) on a GPU; dynamic on a CPU, where host
+    synchronisation is free and fixed shapes only waste work."""
+    return "static" if torch.cuda.is_available() else "dynamic"
+
+
+def default_threads(tp: int) -> int:
+    """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // tp)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    spec: Spec  # planned for the group's size (parallel.tp == world)
+    generated: str  # generated folder for that spec
+    checkpoint: str
+    mode: str
+    backend: str  # static path: "triton" | "torch"; the dynamic path always runs "eager"
+    kv_cache: str  # dense | latent | auto
+    num_blocks: int
+    cuda_graphs: bool = True
+    comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
+    overlap: bool = True  # ring all-gather overlapped with the up-projection ...
+    overlap_min_rows: int = 0  # ... in forwards of at least this many rows
+    path: str = "static"  # static | dynamic
+    threads: int | None = None  # intra-op threads of this rank; None leaves torch's setting
+    # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
+    # model compute-bound here, and bound activations to O(512 · hidden) per layer.
+    prefill_chunk: int = 512
+    # CPU ranks on one host all-reduce through shared memory (tensors up to 4 MB, decode
+    # sizes; larger ones through gloo).
+    shm_allreduce: bool = True
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """What a rank needs of one sequence for one step."""
+
+    id: int
+    tokens: list[int]  # all tokens for prefill; the last one for decode
+    length: int  # tokens in the sequence, the one being processed included
+    block_table: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens start..stop-1 of sequence ``seq`` of a prefill batch."""
+
+    seq: int
+    start: int
+    stop: int
+
+
+def prefill_chunks(lengths: list[int], chunk: int) -> list[list[Piece]]:
+    """Pack the prompts, in order, into forwards of at most ``chunk`` tokens; a prompt
+    that does not fit continues in the next forward."""
+    chunks: list[list[Piece]] = [[]]
+    room = chunk
+    for seq, length in enumerate(lengths):
+        start = 0
+        while start < length:
+            if room == 0:
+                chunks.append([])
+                room = chunk
+            stop = min(length, start + room)
+            chunks[-1].append(Piece(seq, start, stop))
+            room -= stop - start
+            start = stop
+    return chunks
+
+
+class ModelRunner:
+    def __init__(self, rank: int, world: int, config: RunnerConfig) -> None:
+        if config.path not in PATHS:
+            raise ValueError(f"path must be one of {', '.join(PATHS)}, found {config.path!r}")
+        if config.spec.parallel.tp != world:
+            raise ValueError(f"the spec is planned for tp {config.spec.parallel.tp}, not {world}")
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.rank, self.config, self.spec = rank, config, config.spec
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        mode_plan = build_plan(self.spec).modes[config.mode]
+        self.registry = load_generated(config.generated).KERNELS
+        self.comm = self._comm(rank, world)
+        self.model = self._model(mode_plan)
+        self.layer_plans = [mode_plan.layer_plan(r) for r in self.spec.decomposition.layers]
+        self.kinds = [lp.cache_kind(config.kv_cache) for lp in self.layer_plans]
+        rt, m = self.spec.runtime, self.spec.model
+        self.block_size = rt.block_size
+        self.scale = m.head_dim**-0.5
+        self.inv_freq = self.model.layers[0].s.inv_freq
+        self.caches: list[LayerCache] = allocate(
+            self.layer_plans,
+            self.kinds,
+            config.num_blocks,
+            rt.block_size,
+            m.head_dim,
+            DTYPES[rt.dtype],
+            self.device,
+        )
+        self.latent_factors = {
+            i: self._latent_factors(i) for i, kind in enumerate(self.kinds) if kind == "latent"
+        }
+        self.generators: dict[int, torch.Generator] = {}
+        self.static = self._static_decoder(mode_plan) if config.path == "static" else None
+
+    def _comm(self, rank: int, world: int) -> Comm:
+        config = self.config
+        comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
+        comm.overlap = config.overlap
+        cpu_group = world > 1 and self.device.type == "cpu"
+        if config.shm_allreduce and cpu_group and shm_available(world):
+            comm.shm = SharedMemoryAllReduce(rank, world, capacity=4 << 20)
+        return comm
+
+    def _model(self, mode_plan: ModePlan) -> TPModel:
+        config, spec = self.config, self.spec
+        weights = load_rank_weights(
+            config.checkpoint, spec, mode_plan, self.rank, DTYPES[spec.runtime.dtype]
+        )
+        backend = config.backend if config.path == "static" else "eager"
+        model = TPModel(spec, mode_plan, self.rank, self.comm, self.registry, backend, weights)
+        model = model.to(self.device)
+        if config.path == "dynamic":
+            model.prepare_eager()
+        return model
+
+    def _static_decoder(self, mode_plan: ModePlan) -> StaticDecoder:
+        rt = self.spec.runtime
+        buckets = tuple(sorted(rt.cuda_graph_batch_sizes) or [rt.max_batch_size])
+        shapes = StaticShapes(
+            rows=max(rt.max_batch_size, buckets[-1]),
+            max_blocks=-(-rt.max_seq_len // rt.block_size),
+            block_size=rt.block_size,
+            num_blocks=self.config.num_blocks,
+            buckets=buckets,
+        )
+        widths = mode_plan.latent_widths(self.config.kv_cache)
+        static = StaticDecoder(self.model, self.caches, widths, shapes, self.config.backend)
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            static.capture_graphs(self.comm)
+        return static
+
+    def _latent_factors(self, index: int) -> LatentFactors:
+        layer, m = self.model.layers[index], self.spec.model
+        u_k = layer.w("k.u")
+        return LatentFactors(
+            r_k=u_k.shape[0],
+            kv_heads=self.layer_plans[index].kv_heads_per_rank,
+            head_dim=m.head_dim,
+            u_k=u_k,
+            u_v=layer.w("v.u").contiguous(),
+            bias_k=layer.w("k.bias"),
+            bias_v=layer.w("v.bias"),
+            k_norm=layer.w("k_norm.weight") if m.qk_norm else None,
+            eps=m.norm.eps,
+            rope_style=m.positions.style if m.positions.kind == "rope" else "neox",
+        )
+
+    # --- prefill ---------------------------------------------------------------------
+
+    def _slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[SeqInput]) -> Sampled:
+        """Whole prompts, batched, in chunks of at most ``prefill_chunk`` tokens; a chunk
+        that continues a prompt attends to the part already in the cache."""
+        last_hidden: dict[int, torch.Tensor] = {}
+        for chunk in prefill_chunks([s.length for s in seqs], self.config.prefill_chunk):
+            hidden = self._prefill_chunk(seqs, chunk)
+            row = 0
+            for piece in chunk:
+                row += piece.stop - piece.start
+                if piece.stop == seqs[piece.seq].length:
+                    last_hidden[piece.seq] = hidden[row - 1]
+        rows = torch.stack([last_hidden[i] for i in range(len(seqs))])
+        return self._sample(seqs, self.model.logits(rows))
+
+    @torch.inference_mode()
+    def score(self, seq: SeqInput) -> torch.Tensor:
+        """Log-probabilities [L, vocab] (fp32) of the token after each of the prompt's L
+        positions: one prefill whose every row goes through the LM head."""
+        hidden = [
+            self._prefill_chunk([seq], chunk)
+            for chunk in prefill_chunks([seq.length], self.config.prefill_chunk)
+        ]
+        return torch.log_softmax(self.model.logits(torch.cat(hidden)).float(), dim=-1)
+
+    def _prefill_chunk(self, seqs: list[SeqInput], chunk: list[Piece]) -> torch.Tensor:
+        ids, positions, slots = [], [], []
+        for piece in chunk:
+            s = seqs[piece.seq]
+            ids += s.tokens[piece.start : piece.stop]
+            positions += range(piece.start, piece.stop)
+            slots += [self._slot(s.block_table, p) for p in range(piece.start, piece.stop)]
+        dev = self.device
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int32, device=dev)
+        contexts = {
+            i: cache_context(
+                [seqs[p.seq].block_table],
+                [p.stop],
+                self.block_size,
+                self.inv_freq,
+                dev,
+                self.spec.model.positions.style,
+            )
+            for i, p in enumerate(chunk)
+            if p.start
+        }
+
+        def attention(index, q, k, v, latent):
+            cache = self.caches[index]
+            cache.write(slot_t, k, v, latent)
+            out, row = torch.empty_like(q), 0
+            for i, p in enumerate(chunk):
+                rows = slice(row, row + p.stop - p.start)
+                row = rows.stop
+                if i in contexts:  # keys 0..stop-1 from the cache, this chunk's included
+                    k_ctx, v_ctx = self._cached_kv(index, contexts[i])
+                else:
+                    k_ctx, v_ctx = k[rows], v[rows]
+                out[rows] = causal_attention(q[rows], k_ctx, v_ctx, p.start, self.scale)
+            return out
+
+        n = torch.tensor([len(ids)], dtype=torch.int32, device=dev)
+        batch = Batch(pos_t, n, attention, self._rope_angles(pos_t))
+        return self.model(torch.tensor(ids, dtype=torch.int32, device=dev), pos_t, batch)
+
+    def _cached_kv(self, index: int, ctx: CacheContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [L, kv_heads, head_dim] of one sequence's cached tokens."""
+        cache, slots = self.caches[index], ctx.slots[0]
+        if cache.kind == "dense":
+            return gather(cache.k, slots), gather(cache.v, slots)
+        f = self.latent_factors[index]
+        z = gather(cache.latent, slots)
+        return f.keys(z[:, : f.r_k], ctx.cos, ctx.sin), f.values(z[:, f.r_k :])
+
+    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.static is not None or self.inv_freq is None:
+            return None
+        return rope_tables(positions, self.inv_freq, self.spec.model.positions.style)
+
+    # --- decode ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[SeqInput]) -> Sampled:
+        if self.static is not None:
+            return self._sample(seqs, self.static.decode(seqs, self._slot))
+        return self._sample(seqs, self._decode_dynamic(seqs))
+
+    def _decode_dynamic(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """One decode step at the batch's real shapes (the CPU path)."""
+        dev = self.device
+        ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int32, device=dev)
+        pos = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int32, device=dev)
+        slots = torch.tensor(
+            [self._slot(s.block_table, s.length - 1) for s in seqs], dtype=torch.long, device=dev
+        )
+        ctx = cache_context(
+            [s.block_table for s in seqs],
+            [s.length for s in seqs],
+            self.block_size,
+            self.inv_freq,
+            dev,
+            self.spec.model.positions.style,
+        )
+
+        def attention(index, q, k, v, latent):
+            cache = self.caches[index]
+            cache.write(slots, k, v, latent)
+            if cache.kind == "dense":
+                return decode_dense(q, cache, ctx, self.scale)
+            return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
+
+        n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
+        batch = Batch(pos, n, attention, self._rope_angles(pos))
+        return self.model.logits(self.model(ids, pos, batch))
+
+    # --- sampling ----------------------------------------------------------------------
+
+    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> Sampled:
+        generators = []
+        for s in seqs:
+            if s.params.temperature > 0 and s.id not in self.generators:
+                self.generators[s.id] = make_generator(s.params, s.id)
+            generators.append(self.generators.get(s.id))
+        tokens = sample(logits, [s.params for s in seqs], generators)
+        counts = [s.params.logprobs for s in seqs]
+        if all(n is None for n in counts):
+            return tokens, None
+        return tokens, token_logprobs(logits, tokens, counts)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.generators.pop(i, None)
+
+    def set_comm_stats(self, mode: str) -> None:
+        """off | count | timed, from now on (benchmarks time only their breakdown runs)."""
+        self.comm.count, self.comm.timed = mode != "off", mode == "timed"
+
+    def take_comm_stats(self) -> dict[str, tuple[int, int, float]]:
+        """{kind: (calls, elements, seconds)} since the last call; resets the counters."""
+        out = {k: (v.calls, v.elements, v.seconds) for k, v in self.comm.stats.by_kind.items()}
+        self.comm.stats.by_kind.clear()
+        return out
+
+    def streamed_weight_bytes(self) -> int:
+        """Bytes a decode step must read: every layer's weights, the final norm and the
+        LM head (the embedding is only looked up)."""
+        tensors = [*self.model.layers.buffers(), *self.model.final_norm.values()]
+        tensors.append(self.model.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def threads(self, count: int | None = None) -> int:
+        """Set (when given) and return this rank's intra-op threads."""
+        if count:
+            torch.set_num_threads(count)
+        return torch.get_num_threads()
+
+    def step(self, seqs: list[SeqInput], is_prefill: bool) -> Sampled:
+        rows = sum(len(s.tokens) for s in seqs) if is_prefill else len(seqs)
+        # The ring pays a call per step that one all-gather does not; it wins only once
+        # the up GEMM it hides is worth more (``deinfer predict`` says from how many rows).
+        self.comm.overlap = self.config.overlap and rows >= self.config.overlap_min_rows
+        if not self.comm.timed:
+            return self.prefill(seqs) if is_prefill else self.decode(seqs)
+        start = time.perf_counter()  # timed: the rank's own time per step, beside the comm's
+        out = self.prefill(seqs) if is_prefill else self.decode(seqs)
+        self.comm.stats.record("step:rank", 0, time.perf_counter() - start)
+        return out

@@ -1,0 +1,202 @@
+"""Plain-torch kernels at the real shapes: the ``eager`` backend of the dynamic path.
+
+Each function has the signature of the generated launcher and of its reference in
+``runtime.kernels.reference``, and the same result. The difference is cost: a reference is
+written for CUDA graphs (no host synchronisation, so counts in device memory become
+masks over the whole static buffer), while these read the counts on the host and do
+work only for rows, runs and positions that exist. That is free on a CPU, where host
+and device are the same memory, and it is what the CPU path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import reference
+from runtime.kernels.reference import Segments, apply_norm
+
+# oneDNN's linear reads an [out, in] weight. Measured here (2 threads, the 30 layers of
+# the 135M model, weights streamed from memory, median of 15 interleaved runs): 84 ms
+# at 16 rows against 121 ms for MKL through F.linear and 143 ms for ``a @ b`` with b
+# [in, out]; 10 vs 17 ms for the 49152-row LM head at one row. So the dynamic path
+# stores every matrix transposed and multiplies through it.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_DTYPES = (torch.float32,) + (
+    (torch.bfloat16,)
+    if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # needs AVX-512 BF16/AMX
+    else ()
+)
+
+
+def stored_transposed(b: torch.Tensor) -> bool:
+    """b [in, out] is a view of a contiguous [out, in] tensor."""
+    return b.dim() == 2 and b.stride(0) == 1 and b.stride(1) == b.shape[0]
+
+
+# Between 16 and 64 rows, computing the product transposed, (W · aᵀ)ᵀ with W [out, in],
+# was faster still (same 30 layers: 63 vs 76 ms at 16 rows, 116 vs 127 at 32, 141 vs 177
+# at 64; equal at 12, slower below), so the dynamic path's decode batches take that form.
+_TRANSPOSED_ROWS = range(16, 65)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., in] · b [in, out]; through oneDNN or a transposed product when b is
+    stored transposed (the result may then be a transposed view)."""
+    if a.device.type != "cpu" or a.dtype != b.dtype or not stored_transposed(b):
+        return a @ b
+    if a.dim() == 2 and a.shape[0] in _TRANSPOSED_ROWS:
+        return torch.mm(b.t(), a.t()).t()
+    if _ONEDNN and a.dtype in _ONEDNN_DTYPES:
+        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
+    return a @ b
+
+
+def normalize(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    norm: str,
+    eps: float,
+) -> torch.Tensor:
+    """``reference.apply_norm`` in x's dtype. (F.rms_norm is not fused on a CPU in torch
+    2.13: measured here it took 113 µs for [16, 576] against 77 µs for these five ops.)"""
+    if norm != "rms" or x.dtype != torch.float32:
+        return apply_norm(x, weight, bias, norm=norm, eps=eps).to(x.dtype)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def down_proj(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+    meta: dict | None = None,
+    *,
+    norm: str,
+    eps: float,
+) -> torch.Tensor:
+    """out = norm(x) · weight."""
+    out.copy_(matmul(normalize(x, norm_weight, norm_bias, norm=norm, eps=eps), weight))
+    return out
+
+
+def latent_up_chunk(
+    chunk: torch.Tensor,
+    chunk_index: int,
+    u_factors: tuple[torch.Tensor, ...],
+    accumulators: tuple[torch.Tensor, ...],
+    meta: dict | None = None,
+    *,
+    segments: Segments,
+) -> None:
+    """accumulators[slot] += chunk[:, dst:dst+w] · U_slot[src:src+w] per segment."""
+    for slot, (dst, src, width) in enumerate(segments[chunk_index]):
+        if width:
+            u = u_factors[slot][src : src + width]
+            accumulators[slot].add_(matmul(chunk[:, dst : dst + width].to(u.dtype), u))
+
+
+def gemm_fixed(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    n_valid: torch.Tensor,
+    work_counter: torch.Tensor | None = None,
+    meta: dict | None = None,
+) -> torch.Tensor:
+    """out[:n] = a[:n] · b, n = n_valid[0]; rows past n untouched."""
+    n = int(n_valid[0])
+    if a.dtype == b.dtype:
+        out[:n] = matmul(a[:n], b)
+    else:
+        out[:n] = (a[:n].float() @ b.float()).to(out.dtype)
+    return out
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, style: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [T, head_dim] laid out so that RoPE is x·cos + swap(x)·sin."""
+    cos, sin = reference.rope_cos_sin(positions, inv_freq)
+    if style == "neox":
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """RoPE of x [..., head_dim] with tables from ``rope_tables`` broadcast to it, in fp32
+    (four ops: the pairs of a rotation are swapped by a roll or a flip)."""
+    if style == "neox":
+        swapped = x.roll(x.shape[-1] // 2, -1)
+    else:
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.float() * cos + swapped.float() * sin
+
+
+def rope_inplace(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    n_valid: torch.Tensor,
+    *,
+    style: str,
+) -> torch.Tensor:
+    """Rotate x[:n] [rows, heads, head_dim] in place at ``positions``."""
+    n = int(n_valid[0])
+    cos, sin = rope_tables(positions[:n], inv_freq, style)
+    x[:n] = rotate(x[:n], cos[:, None, :], sin[:, None, :], style).to(x.dtype)
+    return x
+
+
+def kv_block_copy(
+    src: torch.Tensor, dst: torch.Tensor, copy_list: torch.Tensor, num_runs: torch.Tensor
+) -> torch.Tensor:
+    """Copy the first num_runs[0] runs (src block, dst block, count) of ``copy_list``."""
+    for s, d, n in copy_list[: int(num_runs[0])].tolist():
+        dst[d : d + n] = src[s : s + n]
+    return dst
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence against its keys, GQA without repeating K/V.
+
+    q [B, H, D]; k, v [B, L, KVH, D]; valid bool [B, L]. The H / KVH query heads that
+    share a KV head become that head's query rows, so the grouped scores are one batched
+    matmul over the real K. Every sequence needs a valid key (else NaN)."""
+    batch, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, d)
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+    )
+    return out.reshape(batch, heads, -1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Like the reference, over the batch's longest sequence instead of every block."""
+    lens = seq_lens.long()
+    longest = int(lens.max()) if lens.numel() else 0
+    if longest == 0:
+        return out.zero_()
+    blocks = -(-longest // k_cache.shape[1])
+    table = block_table[:, :blocks].long()
+    k = k_cache[table].flatten(1, 2)[:, :longest]
+    v = v_cache[table].flatten(1, 2)[:, :longest]
+    valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]
+    out.copy_(grouped_attention(q, k, v, valid, scale).nan_to_num_(0.0).to(out.dtype))
+    return out

@@ -1,0 +1,294 @@
+"""Decoder layers in the three modes, in the order of docs/METHOD.md.
+
+The dataflow does not depend on the spec, so it is written here once; the kernels
+it calls come from the generated registry (``generated/<spec>/kernels.py``), picked
+by the shapes the plan gives, and run as Triton or as their torch references.
+Attention itself is a callback (``Batch.attention``): prefill, paged decode and the
+latent-cache reconstruction live in the runtime that owns the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsl.plan import LayerPlan
+from dsl.spec import ModelConfig
+from runtime.dist.comm import Comm
+from runtime.kernels import KernelRegistry, eager
+from runtime.kernels.reference import apply_norm
+
+# attention(layer index, q [T, Hl, d], k [T, KVl, d], v [T, KVl, d], latent [T, r_k + r_v] or
+# None) -> [T, Hl, d]. Rotary embedding has already been applied to q and k.
+AttentionFn = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass
+class Batch:
+    """Per-forward inputs shared by every layer."""
+
+    positions: torch.Tensor  # int32 [T]
+    n_valid: torch.Tensor  # int32 [1]: rows of the activations that are real tokens
+    attention: AttentionFn
+    # Eager backend only: RoPE tables [T, head_dim] of the positions
+    # (``eager.rope_tables``), computed once per forward instead of in every layer.
+    rope_angles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class LayerSetup:
+    model: ModelConfig
+    plan: LayerPlan
+    rank: int
+    comm: Comm
+    kernels: KernelRegistry
+    backend: str  # "triton" | "torch"
+    inv_freq: torch.Tensor | None  # None for learned positions
+
+
+class DecoderLayer(nn.Module):
+    """Shared parts: weights by plan name, norms, GEMMs, RoPE, q/k norm."""
+
+    def __init__(self, setup: LayerSetup, index: int, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.s = setup
+        self.index = index
+        for name, tensor in weights.items():
+            self.register_buffer(name.replace(".", "__"), tensor, persistent=False)
+        self.names = frozenset(weights)
+
+    def prepare_eager(self) -> None:
+        """Once, for the eager backend: keep every matrix's [in, out] view but store it as
+        [out, in], which oneDNN's linear reads fastest (``runtime.kernels.eager.matmul``)."""
+        for name in self.names:
+            t = self.w(name)
+            if t.dim() == 2:
+                setattr(self, name.replace(".", "__"), t.t().contiguous().t())
+        self.fuse_columns()
+
+    def fuse_columns(self) -> None:
+        """Modes whose column projections share an input multiply them as one GEMM."""
+
+    def w(self, name: str) -> torch.Tensor | None:
+        return getattr(self, name.replace(".", "__")) if name in self.names else None
+
+    def normalize(self, x, weight, bias, kind: str) -> torch.Tensor:
+        """Norm in fp32, result in x's dtype: one fused op on the eager backend."""
+        eps = self.s.model.norm.eps
+        if self.s.backend == "eager":
+            return eager.normalize(x, weight, bias, norm=kind, eps=eps)
+        return apply_norm(x, weight, bias, norm=kind, eps=eps).to(x.dtype)
+
+    def norm(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        kind = self.s.model.norm.kind
+        return self.normalize(x, self.w(f"{which}.weight"), self.w(f"{which}.bias"), kind)
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        if self.s.backend == "eager":  # every row is real: the product is the output
+            return eager.matmul(a, b)
+        kernel = self.s.kernels.get("gemm", tuple(b.shape), self.s.backend)
+        out = a.new_empty((a.shape[0], b.shape[1]))
+        return kernel(a, b, out, n_valid)
+
+    def rope(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.s.inv_freq is None:
+            return x
+        if batch.rope_angles is not None:
+            cos, sin = batch.rope_angles
+            style = self.s.model.positions.style
+            return eager.rotate(x, cos[:, None, :], sin[:, None, :], style).to(x.dtype)
+        kernel = self.s.kernels.get("rope", x.shape[1], self.s.backend)
+        return kernel(x, batch.positions, self.s.inv_freq, batch.n_valid)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3: RMSNorm over each head's vector, before RoPE."""
+        if not self.s.model.qk_norm:
+            return q, k
+        q = self.normalize(q, self.w("q_norm.weight"), None, "rms")
+        k = self.normalize(k, self.w("k_norm.weight"), None, "rms")
+        return q, k
+
+    def add_bias(self, y: torch.Tensor, name: str) -> torch.Tensor:
+        bias = self.w(f"{name}.bias")
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def attend(self, q, k, v, latent, batch: Batch) -> torch.Tensor:
+        d = self.s.model.head_dim
+        tokens = q.shape[0]
+        q = q.reshape(tokens, -1, d)
+        k = k.reshape(tokens, -1, d)
+        v = v.reshape(tokens, -1, d)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rope(q.contiguous(), batch), self.rope(k.contiguous(), batch)
+        return batch.attention(self.index, q, k, v, latent).reshape(tokens, -1)
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        x = x + self.attention_block(x, batch)
+        return x + self.mlp_block(x, batch)
+
+
+class DeinferLayer(DecoderLayer):
+    """Concat-split down factors, latent all-gather overlapped with the up GEMM, local
+    heads only, row-parallel o/down down-factors with an all-reduce of width r."""
+
+    def column_group(
+        self, group: str, names: tuple[str, ...], x: torch.Tensor, norm: str, batch: Batch
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        s, plan = self.s, self.s.plan
+        outs: dict[str, torch.Tensor] = {}
+        gathered = None
+        cat = plan.concat(group)
+        if cat is not None:
+            key = (group, s.plan.shape_id)
+            down = s.kernels.get("down_proj", key, s.backend)
+            z = down(
+                x,
+                self.w(f"{group}.cat"),
+                x.new_empty((x.shape[0], cat.width)),
+                self.w(f"{norm}.weight"),
+                self.w(f"{norm}.bias"),
+            )
+            members = [n for n, _ in cat.members]
+            ups = tuple(self.w(f"{n}.u") for n in members)
+            accs = tuple(
+                torch.zeros((x.shape[0], u.shape[1]), dtype=torch.float32, device=x.device)
+                for u in ups
+            )
+            gathered = z.new_empty((s.comm.world, *z.shape))
+            module = s.kernels.module("latent_up", key)
+            module.latent_up(
+                s.comm, z, gathered, ups, accs, chunk_fn=s.kernels.get("latent_up", key, s.backend)
+            )
+            outs.update({n: acc.to(x.dtype) for n, acc in zip(members, accs, strict=True)})
+        dense = [n for n in names if n not in outs]
+        if dense:
+            xn = self.norm(x, norm)
+            outs.update({n: self.gemm(xn, self.w(f"{n}.weight"), batch.n_valid) for n in dense})
+        return {n: self.add_bias(outs[n], n) for n in names}, gathered
+
+    def row_group(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.w(f"{name}.v") is not None:
+            p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
+            self.s.comm.all_reduce(p)  # width r, not h
+            y = self.gemm(p, self.w(f"{name}.u"), batch.n_valid)
+        else:
+            y = self.s.comm.all_reduce(self.gemm(h, self.w(f"{name}.weight"), batch.n_valid))
+        return self.add_bias(y, name)
+
+    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        out, gathered = self.column_group("attn", ("q", "k", "v"), x, "input_norm", batch)
+        latent = None
+        if gathered is not None and self.s.plan.kv_latent_per_rank is not None:
+            cat = self.s.plan.concat("attn")
+            start = cat.member_offset("k")
+            latent = Comm.columns(gathered)[:, start : start + self.s.plan.kv_latent_per_rank]
+        attn = self.attend(out["q"], out["k"], out["v"], latent, batch)
+        return self.row_group("o", attn, batch)
+
+    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        act = ACTIVATIONS[self.s.model.mlp.activation]
+        if self.s.model.mlp.kind == "glu":
+            out, _ = self.column_group("mlp", ("gate", "up"), x, "post_norm", batch)
+            return self.row_group("down", act(out["gate"]) * out["up"], batch)
+        out, _ = self.column_group("mlp", ("fc1",), x, "post_norm", batch)
+        return self.row_group("fc2", act(out["fc1"]), batch)
+
+
+class BaseLayer(DecoderLayer):
+    """Naive TP: every projection is a Megatron pair followed by an all-reduce of its
+    full output; every rank then computes every head."""
+
+    def project(self, name: str, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.w(f"{name}.v") is not None:
+            y = self.gemm(
+                self.gemm(x, self.w(f"{name}.v"), batch.n_valid), self.w(f"{name}.u"), batch.n_valid
+            )
+        else:
+            f = self.s.plan.factor(f"{name}.weight")
+            lo, hi = f.ranges[self.s.rank]
+            xs = F.pad(x, (0, f.padded - x.shape[1]))[:, lo:hi].contiguous()
+            y = self.gemm(xs, self.w(f"{name}.weight"), batch.n_valid)
+        return self.add_bias(self.s.comm.all_reduce(y), name)
+
+    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        xn = self.norm(x, "input_norm")
+        q, k, v = (self.project(n, xn, batch) for n in ("q", "k", "v"))
+        return self.project("o", self.attend(q, k, v, None, batch), batch)
+
+    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        xn = self.norm(x, "post_norm")
+        act = ACTIVATIONS[self.s.model.mlp.activation]
+        if self.s.model.mlp.kind == "glu":
+            h = act(self.project("gate", xn, batch)) * self.project("up", xn, batch)
+            return self.project("down", h, batch)
+        return self.project("fc2", act(self.project("fc1", xn, batch)), batch)
+
+
+class DenseLayer(DecoderLayer):
+    """Undecomposed Megatron TP over the products D·U: 2 all-reduces of h per block."""
+
+    # Column projections that read the same input, multiplied as one GEMM once
+    # ``fuse_columns`` has concatenated their weights (the eager backend does: at 16 rows
+    # it saved 5% of the GEMM time of the 135M model here, and 20% at one row).
+    FUSED: ClassVar[dict[tuple[str, ...], str]] = {
+        ("q", "k", "v"): "qkv",
+        ("gate", "up"): "gate_up",
+    }
+
+    def fuse_columns(self) -> None:
+        for names, fused in self.FUSED.items():
+            if all(self.w(f"{n}.weight") is not None for n in names):
+                parts = [self.w(f"{n}.weight") for n in names]
+                joined = torch.cat([p.t() for p in parts]).t()  # stored [out, in]
+                for n in names:
+                    delattr(self, f"{n}__weight")
+                self.register_buffer(f"{fused}__weight", joined, persistent=False)
+                self.names = (self.names - {f"{n}.weight" for n in names}) | {f"{fused}.weight"}
+                self.widths = {**getattr(self, "widths", {}), fused: [p.shape[1] for p in parts]}
+
+    def columns(self, names: tuple[str, ...], x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        fused = self.FUSED.get(names)
+        if fused is not None and self.w(f"{fused}.weight") is not None:
+            y = self.gemm(x, self.w(f"{fused}.weight"), batch.n_valid)
+            outs = y.split(self.widths[fused], dim=1)
+        else:
+            outs = [self.gemm(x, self.w(f"{n}.weight"), batch.n_valid) for n in names]
+        return [self.add_bias(y, n) for y, n in zip(outs, names, strict=True)]
+
+    def row(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        y = self.s.comm.all_reduce(self.gemm(h, self.w(f"{name}.weight"), batch.n_valid))
+        return self.add_bias(y, name)
+
+    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        xn = self.norm(x, "input_norm")
+        q, k, v = self.columns(("q", "k", "v"), xn, batch)
+        return self.row("o", self.attend(q, k, v, None, batch), batch)
+
+    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        xn = self.norm(x, "post_norm")
+        act = ACTIVATIONS[self.s.model.mlp.activation]
+        if self.s.model.mlp.kind == "glu":
+            gate, up = self.columns(("gate", "up"), xn, batch)
+            return self.row("down", act(gate) * up, batch)
+        return self.row("fc2", act(self.columns(("fc1",), xn, batch)[0]), batch)
+
+
+LAYER_CLASSES: dict[str, type[DecoderLayer]] = {
+    "deinfer": DeinferLayer,
+    "base": BaseLayer,
+    "dense": DenseLayer,
+}

@@ -1,0 +1,94 @@
+"""The tensor-parallel model: vocab-parallel embedding, decoder layers of one mode,
+final norm, vocab-parallel LM head with the logits gathered."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsl.plan import ModePlan
+from dsl.spec import Spec
+from runtime.dist.comm import Comm
+from runtime.kernels import KernelRegistry, eager
+from runtime.kernels.reference import apply_norm
+from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
+from runtime.model.rope import inv_freq
+from runtime.model.weights import ModelWeights
+
+
+class TPModel(nn.Module):
+    """Same model, same runtime for every mode; only the layer modules differ."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        mode_plan: ModePlan,
+        rank: int,
+        comm: Comm,
+        kernels: KernelRegistry,
+        backend: str,
+        weights: ModelWeights,
+    ) -> None:
+        super().__init__()
+        self.spec, self.comm, self.rank = spec, comm, rank
+        self.backend = backend
+        self.matmul = eager.matmul if backend == "eager" else torch.matmul
+        m = spec.model
+        freqs = inv_freq(m.positions, m.head_dim) if m.positions.kind == "rope" else None
+        self.register_buffer("embed", weights.embed, persistent=False)
+        self.register_buffer("lm_head", weights.lm_head, persistent=False)
+        self.positions_table = weights.positions
+        self.final_norm = weights.final_norm
+        layer_class = LAYER_CLASSES[mode_plan.mode]
+        layers = []
+        for index, ranks in enumerate(spec.decomposition.layers):
+            lp = mode_plan.layer_plan(ranks)
+            setup = LayerSetup(
+                model=m,
+                plan=lp,
+                rank=rank,
+                comm=comm,
+                kernels=kernels,
+                backend=backend,
+                inv_freq=freqs,
+            )
+            layers.append(layer_class(setup, index, weights.layers[index]))
+        self.layers = nn.ModuleList(layers)
+
+    def prepare_eager(self) -> None:
+        """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in])."""
+        for layer in self.layers:
+            layer.prepare_eager()
+
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the ids in its vocabulary rows; an all-reduce sums them."""
+        rows = self.embed.shape[0]
+        local = input_ids.long() - self.rank * rows
+        inside = (local >= 0) & (local < rows)
+        x = self.embed[local.clamp(0, rows - 1)] * inside[:, None].to(self.embed.dtype)
+        self.comm.all_reduce(x, tag="embed")
+        if self.positions_table is not None:
+            x = x + self.positions_table[positions.long() + self.spec.model.positions.offset]
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        m = self.spec.model
+        norm = eager.normalize if self.backend == "eager" else apply_norm
+        h = norm(
+            hidden,
+            self.final_norm["weight"],
+            self.final_norm.get("bias"),
+            norm=m.norm.kind,
+            eps=m.norm.eps,
+        ).to(hidden.dtype)
+        local = self.matmul(h, self.lm_head.t())
+        return self.comm.all_gather_columns(local, tag="logits")[:, : m.vocab_size]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> torch.Tensor:
+        """Hidden states [T, h] of the tokens (call ``logits`` on the rows you need)."""
+        x = self.embed_tokens(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x

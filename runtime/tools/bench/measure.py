@@ -1,0 +1,133 @@
+"""One measurement of one engine: throughput of a batch, serving at a request rate,
+and the per-block breakdown of a decode step into communication and the rest."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+from typing import Any
+
+from runtime.engine.llm import LLM
+from runtime.engine.sequence import SamplingParams
+from runtime.tools.bench.config import BenchConfig
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def prompts_for(cfg: BenchConfig, n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(n)]
+
+
+def throughput_run(
+    llm: LLM, cfg: BenchConfig, vocab: int, batch: int | None = None
+) -> dict[str, float]:
+    prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
+    params = SamplingParams(max_tokens=cfg.output_len)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    first = max(o.token_times[0] for o in outs)
+    decode_tokens = out_tokens - len(outs)
+    decode_time = max(o.token_times[-1] for o in outs) - first
+    return {
+        "seconds": elapsed,
+        "requests_per_s": len(outs) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (out_tokens + len(outs) * cfg.prompt_len) / elapsed,
+        "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
+    }
+
+
+def serving_run(llm: LLM, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
+    """Requests arrive at a Poisson rate (or all at once) while the engine steps."""
+    rng = random.Random(cfg.seed + 1)
+    prompts = prompts_for(cfg, cfg.serving_requests, vocab, cfg.seed + 2)
+    gaps = [
+        0.0 if cfg.request_rate == float("inf") else rng.expovariate(cfg.request_rate)
+        for _ in prompts
+    ]
+    params = SamplingParams(max_tokens=cfg.output_len)
+    start = time.perf_counter()
+    arrivals = [start + sum(gaps[: i + 1]) for i in range(len(prompts))]
+    seqs, times, pending = [], {}, list(range(len(prompts)))
+    while pending or llm.scheduler.has_work():
+        now = time.perf_counter()
+        while pending and arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            seq = llm.add_request(prompts[i], params)
+            seqs.append((i, seq))
+            times[seq.id] = []
+        if not llm.scheduler.has_work():
+            time.sleep(max(0.0, min(0.01, arrivals[pending[0]] - now)))
+            continue
+        for s, _, t in llm.step():
+            times[s.id].append(t)
+    elapsed = time.perf_counter() - start
+    ttft, tpot, itl, e2e = [], [], [], []
+    for i, seq in seqs:
+        ts = times[seq.id]
+        ttft.append(ts[0] - arrivals[i])
+        e2e.append(ts[-1] - arrivals[i])
+        if len(ts) > 1:
+            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
+            itl += [b - a for a, b in itertools.pairwise(ts)]
+    out_tokens = sum(len(times[s.id]) for _, s in seqs)
+    ms = {
+        k: {s: v * 1e3 for s, v in summary(x).items()}
+        for k, x in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e))
+    }
+    return {
+        **ms,
+        "requests_per_s": len(seqs) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "request_rate": cfg.request_rate,
+    }
+
+
+def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[str, Any]:
+    """Per block and decode step: communication time (timed collectives) and the rest
+    (compute plus runtime overhead), and what each collective kind moved per token per
+    block (to compare with the plan)."""
+    # A batch that fills a graph bucket exactly: no padded rows, so elements per token
+    # are what the plan counts.
+    n = 1 << (min(cfg.max_batch, cfg.num_requests).bit_length() - 1)
+    prompts = prompts_for(cfg, n, vocab, cfg.seed + 3)
+    params = SamplingParams(max_tokens=cfg.breakdown_steps + 1)
+    for p in prompts:
+        llm.add_request(p, params)
+    llm.step()  # prefill, not counted
+    llm.workers.call("take_comm_stats")
+    start = time.perf_counter()
+    steps = tokens = 0
+    while llm.scheduler.has_work():
+        advanced = len(llm.step())
+        steps += advanced > 0
+        tokens += advanced
+    elapsed = time.perf_counter() - start
+    stats = llm.workers.call("take_comm_stats")[0]
+    block = {k: v for k, v in stats.items() if ":" not in k}  # embedding/logits are tagged
+    comm_ms = sum(v[2] for v in block.values()) / max(1, steps) / layers * 1e3
+    total_ms = elapsed / max(1, steps) / layers * 1e3
+    rank_ms = stats.get("step:rank", (0, 0, elapsed))[2] / max(1, steps) / layers * 1e3
+    per_token = max(1, tokens) * layers
+    return {
+        "block_ms_per_step": {"communication": comm_ms, "compute_and_overhead": total_ms - comm_ms},
+        # The same step seen from rank 0 (its forward and sampling, without the driver's
+        # scheduling and the messages to and from the ranks), per block.
+        "rank_ms_per_step_per_block": rank_ms,
+        "driver_ms_per_step": (total_ms - rank_ms) * layers,
+        "elements_per_token_per_block": {k: v[1] / per_token for k, v in block.items()},
+        "collectives_per_token_per_block": {k: v[0] / per_token for k, v in block.items()},
+        "decode_steps": steps,
+        "decode_tokens": tokens,
+    }

@@ -1,0 +1,375 @@
+"""``deinfer bench``: throughput, serving and per-block breakdown, side by side.
+
+Every configuration (mode × KV cache × tp × compression ratio × max_seq_len) gets one
+engine, kept alive for the whole run, and is measured at each decode batch; with ``hf``,
+transformers ``generate`` on the same weights runs beside them. Repetitions are
+interleaved across everything (rep 1 of all, then rep 2 of all, ...) after a warm-up,
+so slow drifts of the machine hit every row alike. Checkpoints have random factors of
+the spec's shapes. Each row is also set against the weight-streaming floor: the bytes a
+decode step must read over the memory bandwidth the bench measures.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dsl import Spec, build_plan, load_spec
+from runtime.dist.emulated_link import LinkSpec
+from runtime.engine.llm import LLM
+from runtime.engine.model_runner import default_path, default_threads
+from runtime.tools.bench.baseline import hf_throughput, memory_bandwidth
+from runtime.tools.bench.config import PRESETS, BenchConfig, preset
+from runtime.tools.bench.measure import breakdown_run, prompts_for, serving_run, throughput_run
+from runtime.tools.random_checkpoint import write_random_checkpoint
+
+__all__ = ["PRESETS", "BenchConfig", "preset", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    mode: str  # deinfer | base | dense | hf (transformers generate)
+    kv_cache: str
+    tp: int
+    ratio: float | None
+    batch: int | None = None  # None: num_requests, max_batch at a time
+    max_seq_len: int | None = None  # None: prompt + output
+    link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
+
+    @property
+    def label(self) -> str:
+        kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
+        ratio = "" if self.ratio is None else f" r{self.ratio:g}"
+        batch = "" if self.batch is None else f" b{self.batch}"
+        length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
+        link = "" if self.link is None else f" link={self.link}"
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}"
+
+    @property
+    def engine(self) -> tuple:
+        """Rows that differ only in batch or link share one engine (links are reshaped
+        in place between rows)."""
+        return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import triton
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _max_batch(cfg: BenchConfig) -> int:
+    return max((*cfg.batches, cfg.max_batch, 1))
+
+
+def variant_spec(base: Spec, v: Variant, cfg: BenchConfig) -> Spec:
+    """The bench's spec for one row: the row's tp and ratio, room for the bench's batch
+    and lengths."""
+    spec = base.with_tp(v.tp)
+    if v.ratio is not None:
+        spec = spec.with_ratio(v.ratio, "smaller_dim_fraction", rank_multiple=2)
+    return spec.with_runtime(
+        max_batch_size=_max_batch(cfg),
+        max_seq_len=v.max_seq_len or cfg.prompt_len + cfg.output_len,
+        cuda_graph_batch_sizes=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= _max_batch(cfg)],
+    )
+
+
+def planned_elements(spec, mode: str) -> dict[str, float]:
+    mp = build_plan(spec).modes[mode]
+    out: dict[str, float] = {}
+    for lp in mp.layer_plans:
+        for c in lp.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.elements * len(lp.layers) / mp.num_layers
+    return out
+
+
+def variants_of(cfg: BenchConfig) -> list[Variant]:
+    batches = cfg.batches or (None,)
+    lengths = cfg.max_seq_lens or (None,)
+    rows = [
+        Variant(m, kv, tp, r, b, n, link)
+        for r in (cfg.ratios or (None,))
+        for tp in cfg.tps
+        for link in (cfg.links or (None,) if tp > 1 else (None,))
+        for n in lengths
+        for m in cfg.modes
+        for kv in cfg.kv_caches
+        for b in batches
+        if not (kv == "latent" and m != "deinfer")
+    ]
+    if cfg.hf:
+        rows += [Variant("hf", "-", 1, r, b) for r in (cfg.ratios or (None,)) for b in batches]
+    return rows
+
+
+class _Models:
+    """Each row's spec, and random checkpoints in a temporary folder, one per ratio."""
+
+    def __init__(self, cfg: BenchConfig, folder: Path) -> None:
+        self.cfg, self.folder = cfg, folder
+        self.base = load_spec(cfg.spec)
+        self.checkpoints: dict[float | None, Path] = {}
+
+    def spec(self, v: Variant) -> Spec:
+        spec = variant_spec(self.base, v, self.cfg)
+        if v.ratio not in self.checkpoints:
+            ckpt = self.folder / f"checkpoint-{len(self.checkpoints)}"
+            write_random_checkpoint(spec, ckpt, self.cfg.seed)
+            self.checkpoints[v.ratio] = ckpt
+        return spec
+
+
+class LinkPlanner(Protocol):
+    """What turns ``BenchConfig.links`` entries into tc rates and predicts each row
+    (``tune.link_planner`` has the one built on the cost model)."""
+
+    def resolve(self, cfg: BenchConfig, fit: tuple[str, Any, float]) -> dict[str, str]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def probe(self, engine: Any, v: Variant) -> None: ...
+
+    def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
+
+
+FAST_LINK = "8000000000bit"  # far above what gloo over TCP carries here
+
+
+def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
+    """(mode, engine, measured compute ms per block) of one linked engine — Base's where
+    it runs — measured behind the fast link: what the planner fits its compute scale on."""
+    linked = [v for v in variants if v.link and v.mode != "hf"]
+    v = next((v for v in linked if v.mode == "base"), linked[0])
+    engine, spec = engines[v.engine], specs[v.engine]
+    engine.workers.call("set_comm_stats", "timed")
+    block = breakdown_run(engine, cfg, vocab, spec.model.num_layers)["block_ms_per_step"]
+    engine.workers.call("set_comm_stats", "off")
+    return v.mode, engine, block["compute_and_overhead"]
+
+
+def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
+    """Reshape ``engine``'s links to ``v``'s; the first time a link is used, measure it."""
+    if v.link is None or v.mode == "hf":
+        return
+    want = LinkSpec.parse(rates[v.link])
+    if engine.link != want:
+        probe = engine.set_link(want, probe="probe" not in links[v.link])
+        if probe:
+            links[v.link]["probe"] = probe
+    elif "probe" not in links[v.link]:
+        links[v.link]["probe"] = engine.workers.link_probe
+
+
+def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = None):
+    spec = models.spec(v)
+    ckpt = models.checkpoints[v.ratio]
+    if v.mode == "hf":
+        from runtime.tools.hf_reference import load_transformers
+
+        return load_transformers(spec, ckpt), spec
+    blocks = _max_batch(cfg) * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size)
+    llm = LLM(
+        spec,
+        ckpt,
+        mode=v.mode,
+        kv_cache=v.kv_cache,
+        backend=cfg.backend,
+        num_blocks=blocks + 1,
+        overlap=cfg.overlap,
+        path=cfg.path,
+        threads=cfg.threads,
+        link=link if v.tp > 1 else None,
+    )
+    return llm, spec
+
+
+def _threads(cfg: BenchConfig, tp: int) -> int:
+    return cfg.threads or default_threads(tp)
+
+
+def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
+    """One throughput run (and a serving run for engines), at the row's thread count."""
+    if v.mode == "hf":
+        torch.set_num_threads(_threads(cfg, 1))
+        prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
+        return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
+    if v.tp == 1:  # this process is the rank: other rows may have changed its threads
+        engine.workers.call("threads", _threads(cfg, 1))
+    out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
+    if cfg.serving:
+        out["serving"] = serving_run(engine, cfg, vocab)
+    return out
+
+
+def _streamed_bytes(v: Variant, engine) -> int:
+    if v.mode != "hf":
+        return engine.workers.call("streamed_weight_bytes")[0]
+    named = engine.named_parameters(remove_duplicate=False)
+    return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
+
+
+class _Session:
+    """The engines of one bench run, kept alive across repetitions, and its links."""
+
+    def __init__(self, cfg: BenchConfig, planner: LinkPlanner | None, note) -> None:
+        self.cfg, self.planner, self.note = cfg, planner, note
+        self.variants = variants_of(cfg)
+        self.tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
+        self.models = _Models(cfg, Path(self.tmp.name))
+        self.vocab = self.models.base.model.vocab_size
+        self.engines: dict[tuple, Any] = {}
+        self.specs: dict[tuple, Any] = {}
+        # Engines start behind a fast link; links given as a ratio are resolved once the
+        # planner has measured a block here (it needs the real compute to set the rate).
+        self.rates = {link: link if planner is None else FAST_LINK for link in cfg.links}
+        self.links: dict[str, Any] = {}
+
+    def start(self) -> None:
+        for v in self.variants:
+            if v.engine not in self.engines:
+                self.note(f"start {v.label}")
+                link = self.rates[v.link] if v.link else None
+                self.engines[v.engine], self.specs[v.engine] = _start(
+                    v, self.models, self.cfg, link
+                )
+
+    def resolve_links(self, results: dict[str, Any]) -> None:
+        if not self.cfg.links:
+            return
+        if self.planner:
+            self.note("calibrate the cost model on a measured block")
+            fit = _fit_block(self.variants, self.engines, self.specs, self.cfg, self.vocab)
+            self.rates = self.planner.resolve(self.cfg, fit)
+            results["planner"] = self.planner.describe()
+        self.links = {link: {"rate": self.rates[link]} for link in self.cfg.links}
+        results["links"] = self.links
+
+    def engine(self, v: Variant):
+        """``v``'s engine, behind ``v``'s link."""
+        engine = self.engines[v.engine]
+        _switch_link(v, engine, self.rates, self.links)
+        return engine
+
+    def measure(self) -> dict[Variant, list[dict[str, Any]]]:
+        short = replace(self.cfg, num_requests=1, output_len=2, serving=False)
+        for v in self.variants:  # warm-up, excluded
+            _measure(replace(v, batch=1), self.engine(v), short, self.vocab)
+        raw: dict[Variant, list[dict[str, Any]]] = {v: [] for v in self.variants}
+        for rep in range(self.cfg.reps):
+            for v in self.variants:
+                self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
+                raw[v].append(_measure(v, self.engine(v), self.cfg, self.vocab))
+                if self.planner and v.link:
+                    self.planner.probe(self.engines[v.engine], v)
+        return raw
+
+    def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
+        if self.planner and v.link:
+            row["predicted"] = self.planner.predict(self.specs[v.engine], v, self.cfg)
+        return row
+
+    def close(self) -> None:
+        for key, engine in self.engines.items():
+            if key[0] != "hf":
+                engine.close()
+        self.tmp.cleanup()
+
+
+def run_bench(
+    cfg: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+    planner: LinkPlanner | None = None,
+) -> dict[str, Any]:
+    """Measure every variant of ``cfg``. Links given as plain tc rates need no
+    ``planner``; others (e.g. ``ratio:5.2``) are resolved by it, which also predicts
+    each row."""
+    cores = default_threads(1)
+    results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
+    results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
+    results["machine"]["bandwidth_threads"] = cores
+    session = _Session(cfg, planner, progress or (lambda message: None))
+    try:
+        session.start()
+        session.resolve_links(results)
+        raw = session.measure()
+        results["variants"] = [session.row(v, raw[v]) for v in session.variants]
+        if planner:
+            results["planner"] = planner.describe()
+    finally:
+        session.close()
+    add_ratios(results)
+    return results
+
+
+def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
+    row = {
+        **asdict(v),
+        "label": v.label,
+        "threads_per_rank": _threads(cfg, v.tp),
+        "path": None if v.mode == "hf" else cfg.path or default_path(),
+        "throughput": [r["throughput"] for r in runs],
+        "serving": [r["serving"] for r in runs if "serving" in r],
+        "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
+    }
+    if v.mode != "hf" and cfg.breakdown:
+        engine.workers.call("set_comm_stats", "timed")
+        row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
+        row["planned_elements_per_token_per_block"] = planned_elements(spec, v.mode)
+    return row
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def add_ratios(results: dict[str, Any]) -> None:
+    """min/median/max over repetitions; each median's ratio to base (same tp, ratio,
+    batch, length and link), to transformers (same ratio and batch) and to the weight-streaming
+    floor: batch / (tp · streamed bytes per rank / memory bandwidth), since the ranks
+    share the memory bus."""
+    cfg = results["config"]
+    bandwidth = results["machine"].get("memory_bandwidth_bytes_per_s")
+    medians: dict[tuple, float] = {}
+    for var in results["variants"]:
+        var["decode_tokens_per_s"] = _spread([r["decode_tokens_per_s"] for r in var["throughput"]])
+        var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
+        key = (var["mode"], var["kv_cache"], var["tp"], var["ratio"], var["batch"])
+        medians[(*key, var["max_seq_len"], var.get("link"))] = var["decode_tokens_per_s"]["median"]
+    for var in results["variants"]:
+        median = var["decode_tokens_per_s"]["median"]
+        at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
+        base = medians.get(("base", "dense", *at))
+        hf = medians.get(("hf", "-", 1, var["ratio"], var["batch"], None, None))
+        var["decode_speedup_vs_base"] = median / base if base else None
+        var["decode_speedup_vs_hf"] = median / hf if hf else None
+        batch = var["batch"] or min(cfg["num_requests"], cfg["max_batch"])
+        streamed = var.get("streamed_weight_bytes_per_rank")
+        if bandwidth and streamed:
+            floor_step = var["tp"] * streamed / bandwidth
+            var["floor_decode_tokens_per_s"] = batch / floor_step
+            var["fraction_of_floor"] = median / var["floor_decode_tokens_per_s"]
