@@ -5,8 +5,6 @@ a spec into the ``Plan`` (``dsl.plan``) that all accounting is derived from.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dsl.errors import SpecError
 from dsl.load import tp_error
 from dsl.plan import (
@@ -47,7 +45,7 @@ def _mode_plan(spec: Spec, tp: int, mode: str) -> ModePlan:
     model = spec.model
     builder = {"deinfer": _deinfer_layer, "base": _base_layer, "dense": _dense_layer}[mode]
     layer_plans = tuple(
-        replace(builder(model, shape, spec.layers_of_shape(shape), tp), shape_id=f"s{i}")
+        builder(model, shape, spec.layers_of_shape(shape), tp, f"s{i}")
         for i, shape in enumerate(spec.layer_shapes())
     )
     h, vocab_local = model.hidden_size, pad_to(model.vocab_size, tp) // tp
@@ -142,7 +140,9 @@ class _DeinferBlock:
         self.factors.extend(_bias_factor(self.model, name, REPLICATED, full, n_out))
 
 
-def _deinfer_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> LayerPlan:
+def _deinfer_layer(
+    model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str
+) -> LayerPlan:
     block = _DeinferBlock(model, shape, tp)
     m_ranges = even_ranges(model.intermediate_size, tp)
     qkv = ("q", "k", "v")
@@ -165,6 +165,7 @@ def _deinfer_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> La
         kv_dense_per_rank=2 * _kv_heads_per_rank(model, tp) * model.head_dim,
         kv_latent_per_rank=_latent_kv(shape),
         kv_heads_per_rank=_kv_heads_per_rank(model, tp),
+        shape_id=shape_id,
     )
 
 
@@ -176,7 +177,7 @@ def _latent_kv(shape: LayerRanks) -> int | None:
     return shape.rank("k") + shape.rank("v")
 
 
-def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> LayerPlan:
+def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str) -> LayerPlan:
     """Naive TP: D column-parallel (split along r), U row-parallel, all-reduce the output.
     An undecomposed W is row-parallel along its input, then all-reduced."""
     factors: list[FactorShard] = []
@@ -207,10 +208,13 @@ def _base_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> Layer
         kv_dense_per_rank=2 * model.kv_width,
         kv_latent_per_rank=_latent_kv(shape),
         kv_heads_per_rank=model.num_kv_heads,
+        shape_id=shape_id,
     )
 
 
-def _dense_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> LayerPlan:
+def _dense_layer(
+    model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str
+) -> LayerPlan:
     """Undecomposed Megatron TP over the products D·U."""
     factors: list[FactorShard] = []
     m_ranges = even_ranges(model.intermediate_size, tp)
@@ -251,4 +255,5 @@ def _dense_layer(model: ModelConfig, shape: LayerRanks, layers, tp: int) -> Laye
         kv_dense_per_rank=2 * _kv_heads_per_rank(model, tp) * model.head_dim,
         kv_latent_per_rank=None,
         kv_heads_per_rank=_kv_heads_per_rank(model, tp),
+        shape_id=shape_id,
     )

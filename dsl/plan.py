@@ -59,7 +59,7 @@ class LayerPlan:
     kv_dense_per_rank: int  # elements per token of this rank's dense K,V cache
     kv_latent_per_rank: int | None  # same for the latent cache; None where not possible
     kv_heads_per_rank: int  # K/V heads this rank attends with (all of them in base)
-    shape_id: str = "s0"  # "s<i>": the i-th distinct layer shape of the spec (file names)
+    shape_id: str  # "s<i>": the i-th distinct layer shape of the spec (file names)
 
     def cache_kind(self, requested: str) -> str:
         """dense | latent: the cache this layer holds when ``requested`` (dense | latent |

@@ -2,6 +2,8 @@
 module is imported, so it is set here, first."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,6 +25,18 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Examples of the multi-process tests (each starts work on a process group).
 TP_EXAMPLES = 5 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else 40
+
+
+def deinfer_cli(*args: str, cwd: Path = REPO, env: dict | None = None):
+    """``deinfer ARGS`` in a child process (the installed entry point's module)."""
+    return subprocess.run(
+        [sys.executable, "-m", "codegen.cli.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.fixture

@@ -16,20 +16,9 @@ import yaml
 from codegen.generate import generate, stale_files
 from codegen.render import UnsafeValueError, check_safe
 from dsl import SpecError, parse_spec
-from tests.conftest import REPO, SPECS
+from tests.conftest import REPO, SPECS, deinfer_cli
 
 SHIPPED = sorted(SPECS.glob("*.yaml"))
-
-
-def _cli(*args, cwd=REPO, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "codegen.cli.main", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        env=env,
-    )
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
@@ -77,13 +66,13 @@ def test_main_command_writes_folder_with_summary(tmp_path):
 def test_check_lists_stale_files_and_exits_1(tmp_path):
     root = tmp_path / "generated"
     shutil.copytree(REPO / "generated", root)
-    ok = _cli("gen", "--check", "--specs-dir", str(SPECS), "--out-root", str(root))
+    ok = deinfer_cli("gen", "--check", "--specs-dir", str(SPECS), "--out-root", str(root))
     assert ok.returncode == 0, ok.stderr
     victim = root / "tiny-llama" / "kernels.py"
     victim.write_text(victim.read_text() + "# hand edit\n")
     (root / "tiny-llama" / "stray.py").write_text("")
     (root / "removed-spec").mkdir()
-    bad = _cli("gen", "--check", "--specs-dir", str(SPECS), "--out-root", str(root))
+    bad = deinfer_cli("gen", "--check", "--specs-dir", str(SPECS), "--out-root", str(root))
     assert bad.returncode == 1
     for name in ("kernels.py", "stray.py", "removed-spec"):
         assert name in bad.stderr
@@ -112,7 +101,7 @@ def test_smuggled_code_is_rejected_before_anything_is_written(tmp_path, label, m
     spec = tmp_path / "evil.yaml"
     spec.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
-    proc = _cli("gen", str(spec), "--out", str(out))
+    proc = deinfer_cli("gen", str(spec), "--out", str(out))
     assert proc.returncode == 2, (label, proc.stdout, proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == [spec]

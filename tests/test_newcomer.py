@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, SPECS
+from tests.conftest import REPO, SPECS, deinfer_cli
 from tests.hardening import hardening_model
 
 
@@ -19,15 +19,10 @@ def model(tmp_path_factory):
     return hardening_model(tmp_path_factory.mktemp("newcomer"))
 
 
-def _deinfer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "codegen.cli.main", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+def _run(spec, checkpoint, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``deinfer run`` at tp 1 with ``args`` (the prompt and options)."""
+    common = ["run", "--spec", str(spec), "--checkpoint", str(checkpoint), "--tp", "1"]
+    return deinfer_cli(*common, *args, env=env)
 
 
 def _refused(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -67,7 +62,7 @@ def test_the_readme_snippet_runs_as_a_saved_script(model, tmp_path):
 
 
 def test_help_names_every_command_without_markup():
-    proc = _deinfer("--help")
+    proc = deinfer_cli("--help")
     assert proc.returncode == 0
     for command in ("plan", "gen", "decompose", "tune", "run", "demo", "bench", "predict"):
         assert command in proc.stdout
@@ -78,55 +73,20 @@ def test_help_names_every_command_without_markup():
 
 def test_a_text_prompt_without_a_tokenizer(model):
     spec, ckpt = model
-    proc = _deinfer(
-        "run",
-        "--spec",
-        str(spec),
-        "--checkpoint",
-        str(ckpt),
-        "--tp",
-        "1",
-        "--prompt",
-        "hello world",
-    )
+    proc = _run(spec, ckpt, "--prompt", "hello world")
     _refused(proc, "no tokenizer", "token ids")
 
 
 def test_backend_triton_on_a_cpu_without_the_interpreter(model):
     spec, ckpt = model
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = _deinfer(
-        "run",
-        "--spec",
-        str(spec),
-        "--checkpoint",
-        str(ckpt),
-        "--tp",
-        "1",
-        "--path",
-        "static",
-        "--backend",
-        "triton",
-        "--prompt",
-        "1,2",
-        env=env,
-    )
+    proc = _run(spec, ckpt, "--path", "static", "--backend", "triton", "--prompt", "1,2", env=env)
     _refused(proc, "backend triton needs a GPU", "TRITON_INTERPRET=1")
 
 
 def test_a_spec_that_does_not_match_the_checkpoint(model):
     _, ckpt = model
-    proc = _deinfer(
-        "run",
-        "--spec",
-        str(SPECS / "tiny-llama.yaml"),
-        "--checkpoint",
-        str(ckpt),
-        "--tp",
-        "1",
-        "--prompt",
-        "1,2",
-    )
+    proc = _run(SPECS / "tiny-llama.yaml", ckpt, "--prompt", "1,2")
     _refused(proc, "model.")  # names the tensor that differs
 
 

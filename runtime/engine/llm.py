@@ -139,7 +139,7 @@ class LLM:
         _check_choices(mode, path, kv)
         self.path = path or default_path()
         self.backend = _backend(backend, self.path)
-        self.plan = build_plan(self.spec).modes[mode]
+        self.plan = build_plan(self.spec, modes=(mode,)).modes[mode]
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(kv, kv_memory_bytes)
         self.blocks, self.scheduler = self._scheduler(num_blocks)

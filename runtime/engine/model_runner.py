@@ -131,7 +131,7 @@ class ModelRunner:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        mode_plan = build_plan(self.spec).modes[config.mode]
+        mode_plan = build_plan(self.spec, modes=(config.mode,)).modes[config.mode]
         self.registry = load_generated(config.generated).KERNELS
         self.comm = self._comm(rank, world)
         self.model = self._model(mode_plan)
