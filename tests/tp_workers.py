@@ -181,3 +181,16 @@ def mixed_layout_all_reduce(rank, world, shape):
         if shm:
             comm.shm.close()
     return out
+
+
+def tune_gemm_pair(rank, world, shapes_per_rank):
+    """``time_cpu_gemm`` on this rank's shapes, then ``sum_over_ranks``: returns the
+    chosen forms and whether the summed timings are the ranks' own (uneven shapes)."""
+    from runtime.kernels.cpu_gemm import choose, sum_over_ranks, time_cpu_gemm
+
+    torch.manual_seed(rank)
+    shapes = shapes_per_rank[rank]
+    mats = [torch.randn(n, k).t() for k, n in shapes]  # [K, N] views of [N, K] storage
+    own = time_cpu_gemm(mats, rows=(1, 4), reps=1)
+    summed = sum_over_ranks(own)
+    return choose(summed).describe(), summed == own

@@ -31,6 +31,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
     p.add_argument(
+        "--no-gemm-tuning",
+        dest="tune_gemm",
+        action="store_false",
+        help="dynamic path: skip measuring the fastest product form per weight shape at "
+        "start-up (a few seconds for a 1 GB model) and use the default forms",
+    )
+    p.add_argument(
         "--link",
         default=None,
         metavar="RATE[,LATENCY]",
@@ -65,6 +72,7 @@ def open_engine(args: argparse.Namespace):
         backend=args.backend,
         path=args.path,
         threads=args.threads,
+        tune_gemm=args.tune_gemm,
         link=args.link,
         heartbeat_s=args.timeout_s or HEARTBEAT_S,
     )

@@ -130,6 +130,7 @@ class LLM:
         threads: int | None = None,
         prefill_chunk: int = 512,
         shm_allreduce: bool = True,
+        tune_gemm: bool = True,
         link: LinkSpec | str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
@@ -162,6 +163,7 @@ class LLM:
             prefill_chunk=prefill_chunk,
             # with an emulated link every collective must cross it
             shm_allreduce=shm_allreduce and self.link is None,
+            tune_gemm=tune_gemm,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.
         self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)

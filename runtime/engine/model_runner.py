@@ -20,6 +20,7 @@ from runtime.engine.kv_cache import allocate
 from runtime.engine.sampling import TokenLogprobs, make_generator, sample, token_logprobs
 from runtime.engine.sequence import SamplingParams
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
+from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
 from runtime.kernels.eager import rope_tables
 from runtime.kernels.loader import load_generated
 from runtime.model.eager_attention import (
@@ -77,6 +78,9 @@ class RunnerConfig:
     # CPU ranks on one host all-reduce through shared memory (tensors up to 4 MB, decode
     # sizes; larger ones through gloo).
     shm_allreduce: bool = True
+    # Dynamic path on a CPU: measure the fastest form of each weight's product at start-up
+    # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
+    tune_gemm: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class ModelRunner:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.rank, self.config, self.spec = rank, config, config.spec
+        self.gemm = CpuGemm()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -175,6 +180,10 @@ class ModelRunner:
         model = model.to(self.device)
         if config.path == "dynamic":
             model.prepare_eager()
+            if config.tune_gemm and self.device.type == "cpu":
+                timings = sum_over_ranks(time_cpu_gemm(model.matrices()), self.comm.group)
+                self.gemm = choose(timings)
+                model.use_gemm(self.gemm)
         return model
 
     def _static_decoder(self, mode_plan: ModePlan) -> StaticDecoder:
@@ -364,6 +373,10 @@ class ModelRunner:
         tensors = [*self.model.layers.buffers(), *self.model.final_norm.values()]
         tensors.append(self.model.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def gemm_forms(self) -> dict[str, dict[str, str]]:
+        """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""
+        return self.gemm.describe()
 
     def threads(self, count: int | None = None) -> int:
         """Set (when given) and return this rank's intra-op threads."""

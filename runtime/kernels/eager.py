@@ -10,6 +10,8 @@ and device are the same memory, and it is what the CPU path runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
     if a.dim() == 2 and a.shape[0] in _TRANSPOSED_ROWS:
         return torch.mm(b.t(), a.t()).t()
+    return onednn_linear(a, b)
+
+
+def onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a · b through oneDNN's linear (b stored transposed), where torch has it."""
     if _ONEDNN and a.dtype in _ONEDNN_DTYPES:
         return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
     return a @ b
@@ -78,9 +85,10 @@ def down_proj(
     *,
     norm: str,
     eps: float,
+    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = matmul,
 ) -> torch.Tensor:
-    """out = norm(x) · weight."""
-    out.copy_(matmul(normalize(x, norm_weight, norm_bias, norm=norm, eps=eps), weight))
+    """out = norm(x) · weight (``gemm``: the runner's tuned products)."""
+    out.copy_(gemm(normalize(x, norm_weight, norm_bias, norm=norm, eps=eps), weight))
     return out
 
 
@@ -92,12 +100,13 @@ def latent_up_chunk(
     meta: dict | None = None,
     *,
     segments: Segments,
+    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = matmul,
 ) -> None:
     """accumulators[slot] += chunk[:, dst:dst+w] · U_slot[src:src+w] per segment."""
     for slot, (dst, src, width) in enumerate(segments[chunk_index]):
         if width:
             u = u_factors[slot][src : src + width]
-            accumulators[slot].add_(matmul(chunk[:, dst : dst + width].to(u.dtype), u))
+            accumulators[slot].add_(gemm(chunk[:, dst : dst + width].to(u.dtype), u))
 
 
 def gemm_fixed(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -56,8 +57,10 @@ class LayerSetup:
     rank: int
     comm: Comm
     kernels: KernelRegistry
-    backend: str  # "triton" | "torch"
+    backend: str  # "triton" | "torch" | "eager"
     inv_freq: torch.Tensor | None  # None for learned positions
+    # The eager backend's matrix products: the runner's tuned ``CpuGemm`` once measured.
+    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = eager.matmul
 
 
 class DecoderLayer(nn.Module):
@@ -99,10 +102,16 @@ class DecoderLayer(nn.Module):
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         if self.s.backend == "eager":  # every row is real: the product is the output
-            return eager.matmul(a, b)
+            return self.s.gemm(a, b)
         kernel = self.s.kernels.get("gemm", tuple(b.shape), self.s.backend)
         out = a.new_empty((a.shape[0], b.shape[1]))
         return kernel(a, b, out, n_valid)
+
+    def product_kernel(self, family: str, key) -> Callable:
+        """A generated kernel that multiplies (down_proj, latent_up); on the eager backend
+        its products go through this layer's ``gemm``."""
+        kernel = self.s.kernels.get(family, key, self.s.backend)
+        return partial(kernel, gemm=self.s.gemm) if self.s.backend == "eager" else kernel
 
     def rope(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.s.inv_freq is None:
@@ -154,7 +163,7 @@ class DeinferLayer(DecoderLayer):
         cat = plan.concat(group)
         if cat is not None:
             key = (group, s.plan.shape_id)
-            down = s.kernels.get("down_proj", key, s.backend)
+            down = self.product_kernel("down_proj", key)
             z = down(
                 x,
                 self.w(f"{group}.cat"),
@@ -171,7 +180,7 @@ class DeinferLayer(DecoderLayer):
             gathered = z.new_empty((s.comm.world, *z.shape))
             module = s.kernels.module("latent_up", key)
             module.latent_up(
-                s.comm, z, gathered, ups, accs, chunk_fn=s.kernels.get("latent_up", key, s.backend)
+                s.comm, z, gathered, ups, accs, chunk_fn=self.product_kernel("latent_up", key)
             )
             outs.update({n: acc.to(x.dtype) for n, acc in zip(members, accs, strict=True)})
         dense = [n for n in names if n not in outs]

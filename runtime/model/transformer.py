@@ -3,6 +3,9 @@ final norm, vocab-parallel LM head with the logits gathered."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -59,6 +62,17 @@ class TPModel(nn.Module):
         """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in])."""
         for layer in self.layers:
             layer.prepare_eager()
+
+    def matrices(self) -> list[torch.Tensor]:
+        """Every matrix as the eager backend multiplies by it: b [in, out]."""
+        mats = [t for layer in self.layers for t in layer.buffers() if t.dim() == 2]
+        return [*mats, self.lm_head.t()]
+
+    def use_gemm(self, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Eager backend: multiply through ``gemm`` (a tuned ``CpuGemm``) from now on."""
+        self.matmul = gemm
+        for layer in self.layers:
+            layer.s = replace(layer.s, gemm=gemm)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary rows; an all-reduce sums them."""

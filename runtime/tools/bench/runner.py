@@ -335,6 +335,9 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "throughput": [r["throughput"] for r in runs],
         "serving": [r["serving"] for r in runs if "serving" in r],
         "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
+        # rank 0's tuned product forms (the ranks of a group choose alike when their
+        # shards have the same shapes), {"KxN": {rows: form}}; none off the CPU path
+        "gemm_forms": None if v.mode == "hf" else engine.workers.call("gemm_forms")[0],
     }
     if v.mode != "hf" and cfg.breakdown:
         engine.workers.call("set_comm_stats", "timed")

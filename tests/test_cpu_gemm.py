@@ -1,0 +1,120 @@
+"""The dynamic path's tuned products (``runtime.kernels.cpu_gemm``): every form equals
+the plain product over hypothesis shapes (fp32 to 1e-4 and bf16 to 2e-2 of the output's
+scale: each form sums in its own order), the tuned table falls back to the default for
+what it was not measured on, and the ranks of a group choose the same forms."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime.dist.launcher import launch
+from runtime.kernels import eager
+from runtime.kernels.cpu_gemm import (
+    DECODE_ROWS,
+    CpuGemm,
+    Form,
+    choose,
+    forms_for,
+    time_cpu_gemm,
+)
+from tests.tp_workers import tune_gemm_pair
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _stored_transposed(k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, k).to(dtype).t()  # b [K, N], stored [N, K] as the runner keeps it
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = want.float().abs().max().item() + 1e-6
+    return (got.float() - want.float()).abs().max().item() <= TOL[dtype] * scale
+
+
+@given(
+    rows=st.integers(1, 80),
+    k=st.integers(1, 300),
+    blocks=st.integers(2, 5),
+    width=st.sampled_from([128, 256]),
+    extra=st.sampled_from([0, 0, 1, 17]),  # N not a multiple of any block: no blocked form
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_every_form_computes_the_product(rows, k, blocks, width, extra, dtype):
+    n = blocks * width + extra
+    a = torch.randn(rows, k).to(dtype)
+    b = _stored_transposed(k, n, dtype)
+    want = a.float() @ b.float()
+    forms = forms_for(n)
+    assert any(f.kind == "blocked" for f in forms) == (extra == 0)
+    for form in forms:
+        got = form(a, b)
+        assert got.shape == (rows, n) and got.dtype == dtype, form
+        assert _close(got, want, dtype), form
+
+
+def test_blocked_forms_need_at_least_two_whole_blocks():
+    assert [f.name for f in forms_for(512)] == ["onednn", "transposed", "blocked128", "blocked256"]
+    assert [f.name for f in forms_for(300)] == ["onednn", "transposed"]
+
+
+class _Recording:
+    """A form that records the rows it was called with."""
+
+    def __init__(self, form: Form) -> None:
+        self.form, self.rows = form, []
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.rows.append(a.shape[0])
+        return self.form(a, b)
+
+
+def test_a_tuned_table_takes_the_nearest_bucket_and_falls_back_otherwise():
+    b = _stored_transposed(64, 512, torch.float32)
+    few, many = _Recording(Form("transposed")), _Recording(Form("blocked", 128))
+    table = {r: many if r >= 8 else few for r in DECODE_ROWS}
+    gemm = CpuGemm({(64, 512, torch.float32): table})
+    for rows in (1, 3, 9, 64):
+        a = torch.randn(rows, 64)
+        assert _close(gemm(a, b), a @ b, torch.float32)
+    assert few.rows == [1, 3] and many.rows == [9, 64]
+    # prefill rows, another shape, a strided matrix, mixed dtypes: the untuned default
+    strided = torch.randn(1024, 64).t()[:, ::2]
+    cases = [
+        (torch.randn(100, 64), b),
+        (torch.randn(5, 64), _stored_transposed(64, 256, torch.float32)),
+        (torch.randn(5, 64), strided),
+        (torch.randn(5, 64).double(), b.double()),
+    ]
+    for a, m in cases:
+        assert torch.equal(gemm(a, m), eager.matmul(a, m))
+    assert few.rows == [1, 3] and many.rows == [9, 64]
+
+
+def test_tuning_measures_every_shape_and_bucket_once():
+    mats = [_stored_transposed(32, 256, torch.float32) for _ in range(3)]
+    mats.append(_stored_transposed(256, 32, torch.float32))
+    mats.append(torch.randn(32, 256))  # stored [in, out]: not a dynamic-path matrix
+    timings = time_cpu_gemm(mats, rows=(1, 16), reps=1)
+    assert sorted(key[:2] for key in timings) == [(32, 256), (256, 32)]
+    for (_, n, _), per_rows in timings.items():
+        assert sorted(per_rows) == [1, 16]
+        for times in per_rows.values():
+            assert set(times) == set(forms_for(n))
+            assert all(t > 0 for t in times.values())
+    table = choose(timings).describe()
+    assert set(table) == {"32x256", "256x32"}
+    assert table["256x32"] == {"1": table["256x32"]["1"], "16": table["256x32"]["16"]}
+    assert all(name in {f.name for f in forms_for(256)} for name in table["32x256"].values())
+
+
+def test_the_ranks_of_a_group_choose_the_same_forms():
+    same = [[(64, 512), (128, 256)]] * 2
+    results = launch(tune_gemm_pair, 2, same, timeout_s=120)
+    (table0, own0), (table1, own1) = results
+    assert table0 == table1 and not own0 and not own1  # summed, so one choice for both
+    uneven = [[(64, 512)], [(64, 256)]]  # a shard split unevenly: each keeps its own
+    results = launch(tune_gemm_pair, 2, uneven, timeout_s=120)
+    assert [own for _, own in results] == [True, True]
+    assert set(results[0][0]) == {"64x512"} and set(results[1][0]) == {"64x256"}
