@@ -118,3 +118,22 @@ def test_the_ranks_of_a_group_choose_the_same_forms():
     results = launch(tune_gemm_pair, 2, uneven, timeout_s=120)
     assert [own for _, own in results] == [True, True]
     assert set(results[0][0]) == {"64x512"} and set(results[1][0]) == {"64x256"}
+
+
+def test_tuned_and_untuned_engines_give_the_same_greedy_tokens(tmp_path):
+    """The tuned forms change only the order of fp32 sums: every mode's greedy tokens
+    match the untuned engine's (tp 2: the ranks tune together)."""
+    from runtime.engine import LLM, SamplingParams
+    from tests.hardening import hardening_model
+
+    spec, ckpt = hardening_model(tmp_path)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    params = SamplingParams(max_tokens=6)
+    for mode in ("deinfer", "dense"):
+        tokens = []
+        for tune in (True, False):
+            with LLM(spec, ckpt, tp=2, mode=mode, tune_gemm=tune) as llm:
+                tokens.append([o.token_ids for o in llm.generate(prompts, params)])
+                if tune:
+                    assert llm.workers.call("gemm_forms")[0], "nothing was tuned"
+        assert tokens[0] == tokens[1], mode

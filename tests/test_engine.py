@@ -102,7 +102,7 @@ def test_preemption_when_the_pool_is_too_small(model, tp):
 def test_requests_arriving_while_others_decode(model):
     """(Also the gloo-only all-reduce: the shared-memory one is off here.)"""
     spec_path, ckpt, want = model
-    with LLM(spec_path, ckpt, tp=2, kv_cache="dense", shm_allreduce=False) as llm:
+    with LLM(spec_path, ckpt, tp=2, kv_cache="dense", shm_collectives=False) as llm:
         params = SamplingParams(max_tokens=MAX_TOKENS)
         seqs = [llm.add_request(PROMPTS[0], params), llm.add_request(PROMPTS[1], params)]
         for _ in range(3):

@@ -142,10 +142,10 @@ def shm_all_reduce(rank, world, cases, seed):
 
     import torch.distributed as dist
 
-    from runtime.dist.shm_allreduce import SharedMemoryAllReduce, available
+    from runtime.dist.shm_collectives import SharedMemoryCollectives, available
 
     assert available(world)
-    shm = SharedMemoryAllReduce(rank, world, capacity=1 << 16)
+    shm = SharedMemoryCollectives(rank, world, capacity=1 << 16)
     comm = Comm()
     comm.shm = shm
     out = []
@@ -165,7 +165,7 @@ def mixed_layout_all_reduce(rank, world, shape):
     """Rank r holds (r + 1)·base, rank 0 as a transposed view (what the eager GEMM returns
     for 16 to 64 rows), the others contiguous; the sum through ``Comm`` (gloo, and the
     shared-memory path) must be the logical sum on every rank."""
-    from runtime.dist.shm_allreduce import SharedMemoryAllReduce
+    from runtime.dist.shm_collectives import SharedMemoryCollectives
 
     base = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
     out = []
@@ -175,7 +175,7 @@ def mixed_layout_all_reduce(rank, world, shape):
             x = x.t().contiguous().t()
         comm = Comm()
         if shm:
-            comm.shm = SharedMemoryAllReduce(rank, world, capacity=1 << 16)
+            comm.shm = SharedMemoryCollectives(rank, world, capacity=1 << 16)
         comm.all_reduce(x)
         out.append(torch.equal(x, base * (world * (world + 1) // 2)))
         if shm:
@@ -194,3 +194,33 @@ def tune_gemm_pair(rank, world, shapes_per_rank):
     own = time_cpu_gemm(mats, rows=(1, 4), reps=1)
     summed = sum_over_ranks(own)
     return choose(summed).describe(), summed == own
+
+
+def shm_all_gather(rank, world, cases, seed):
+    """Each case (rows, width, dtype): ``Comm.all_gather_columns`` and the chunked
+    all-gather (overlap on: through shared memory it is one exchange) with the
+    shared-memory collectives, an all-reduce in between (one call sequence for both),
+    against gloo's all-gather; tensors over the 64 KB capacity fall back to gloo.
+    Returns per case whether both gathers equal gloo's exactly."""
+    import torch.distributed as dist
+
+    from runtime.dist.shm_collectives import SharedMemoryCollectives
+
+    comm = Comm()
+    comm.shm = SharedMemoryCollectives(rank, world, capacity=1 << 16)
+    out = []
+    for i, (rows, width, dtype) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + 31 * i + rank)
+        local = torch.randn(rows, width, generator=g).to(dtype)
+        want = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(want, local)
+        columns = comm.all_gather_columns(local)
+        comm.all_reduce(torch.ones(3))
+        chunks = local.new_empty((world, rows, width))
+        arrived = dict(comm.all_gather_chunks(local, chunks))
+        same = torch.equal(columns, torch.cat(want, dim=1)) and all(
+            torch.equal(arrived[j], want[j]) for j in range(world)
+        )
+        out.append(same and sorted(arrived) == list(range(world)))
+    comm.shm.close()
+    return out

@@ -1,4 +1,4 @@
 """Processes and collectives: the ``Comm`` wrapper over ``torch.distributed``
-(``comm``), the same-host shared-memory all-reduce (``shm_allreduce``), worker groups
+(``comm``), the same-host shared-memory all-reduce and all-gather (``shm_collectives``), worker groups
 and torchrun (``launcher``), emulated links between network namespaces
 (``emulated_link``)."""

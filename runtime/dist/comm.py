@@ -53,9 +53,8 @@ class Comm:
         self.timed = timed
         # Ring all-gather overlapped with compute; off inside CUDA graphs (one all-gather).
         self.overlap = True
-        # Same-host ranks on a CPU: all-reduces that fit go through shared memory
-        # (``runtime.dist.shm_allreduce``); the rest, and every other collective, through
-        # torch.distributed.
+        # Same-host ranks on a CPU: all-reduces and all-gathers that fit go through shared
+        # memory (``runtime.dist.shm_collectives``); the rest through torch.distributed.
         self.shm = None
         self.stats = CommStats()
 
@@ -83,7 +82,7 @@ class Comm:
         """Sum over ranks, in place."""
         start = self._start()
         if self.world > 1:
-            if self.shm is not None and self.shm.fits(tensor):
+            if self._shared(tensor):
                 self.shm.all_reduce(tensor)
             elif tensor.is_contiguous():
                 dist.all_reduce(tensor, group=self.group)
@@ -104,9 +103,12 @@ class Comm:
             out = local.contiguous()
         else:
             rows, width = local.shape
-            stacked = local.new_empty((self.world * rows, width))
-            all_gather_flat(stacked, local.contiguous(), group=self.group)
-            out = self.columns(stacked.view(self.world, rows, width))
+            stacked = local.new_empty((self.world, rows, width))
+            if self._shared(local):
+                self.shm.all_gather(local, stacked)
+            else:
+                all_gather_flat(stacked.view(-1, width), local.contiguous(), group=self.group)
+            out = self.columns(stacked)
         self._done("all_gather", out.numel(), start, tag)
         return out
 
@@ -121,8 +123,14 @@ class Comm:
         start = self._start()
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
-        if not self.overlap and world > 1:
-            all_gather_flat(chunks.view(-1, *local.shape[1:]), local.contiguous(), group=self.group)
+        shared = self._shared(local)
+        if (shared or not self.overlap) and world > 1:
+            # Through shared memory the gather costs a copy: nothing worth overlapping.
+            if shared:
+                self.shm.all_gather(local, chunks)
+            else:
+                flat = chunks.view(-1, *local.shape[1:])
+                all_gather_flat(flat, local.contiguous(), group=self.group)
             # Recorded before the caller's GEMMs run on the chunks: comm time only.
             self._done("all_gather", chunks.numel(), start)
             yield rank, chunks[rank]
@@ -148,6 +156,9 @@ class Comm:
             src = (rank - s - 1) % world
             yield src, chunks[src]
         self._done("all_gather", chunks.numel(), start)
+
+    def _shared(self, tensor: torch.Tensor) -> bool:
+        return self.shm is not None and self.shm.fits(tensor)
 
     def _peer(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` in this group (P2P takes global ranks)."""

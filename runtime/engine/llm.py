@@ -129,7 +129,7 @@ class LLM:
         path: str | None = None,
         threads: int | None = None,
         prefill_chunk: int = 512,
-        shm_allreduce: bool = True,
+        shm_collectives: bool = True,
         tune_gemm: bool = True,
         link: LinkSpec | str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
@@ -162,7 +162,7 @@ class LLM:
             threads=self.threads,
             prefill_chunk=prefill_chunk,
             # with an emulated link every collective must cross it
-            shm_allreduce=shm_allreduce and self.link is None,
+            shm_collectives=shm_collectives and self.link is None,
             tune_gemm=tune_gemm,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.

@@ -14,8 +14,8 @@ import torch
 from dsl import Spec, build_plan
 from dsl.plan import ModePlan
 from runtime.dist.comm import Comm
-from runtime.dist.shm_allreduce import SharedMemoryAllReduce
-from runtime.dist.shm_allreduce import available as shm_available
+from runtime.dist.shm_collectives import SharedMemoryCollectives
+from runtime.dist.shm_collectives import available as shm_available
 from runtime.engine.kv_cache import allocate
 from runtime.engine.sampling import TokenLogprobs, make_generator, sample, token_logprobs
 from runtime.engine.sequence import SamplingParams
@@ -77,7 +77,7 @@ class RunnerConfig:
     prefill_chunk: int = 512
     # CPU ranks on one host all-reduce through shared memory (tensors up to 4 MB, decode
     # sizes; larger ones through gloo).
-    shm_allreduce: bool = True
+    shm_collectives: bool = True
     # Dynamic path on a CPU: measure the fastest form of each weight's product at start-up
     # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
     tune_gemm: bool = True
@@ -166,8 +166,8 @@ class ModelRunner:
         comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
         comm.overlap = config.overlap
         cpu_group = world > 1 and self.device.type == "cpu"
-        if config.shm_allreduce and cpu_group and shm_available(world):
-            comm.shm = SharedMemoryAllReduce(rank, world, capacity=4 << 20)
+        if config.shm_collectives and cpu_group and shm_available(world):
+            comm.shm = SharedMemoryCollectives(rank, world, capacity=4 << 20)
         return comm
 
     def _model(self, mode_plan: ModePlan) -> TPModel:

@@ -1,10 +1,11 @@
-"""All-reduce through shared memory for ranks on one host (the CPU path).
+"""All-reduce and all-gather through shared memory for ranks on one host (the CPU path).
 
 Over gloo, a 128 KB all-reduce between two ranks that are busy computing waited 4–5 ms
 here (0.7–1 ms between idle ranks): TCP over loopback plus process wake-ups. Ranks on
 one machine can instead meet in one shared segment: each writes its tensor into its
 slot, announces it with a sequence number, waits until every rank has announced, and
-sums the slots in rank order (so every rank gets bit-identical sums). Slots alternate
+sums the slots in rank order (so every rank gets bit-identical sums) — or, for an
+all-gather, copies every slot out. Slots alternate
 between two buffers, so one wait per call is enough: a rank writes buffer c % 2 at
 call c only after every rank announced call c - 1, which each does only after reading
 buffer c % 2 at call c - 2.
@@ -55,8 +56,9 @@ def _boot_id() -> str:
         return ""
 
 
-class SharedMemoryAllReduce:
-    """Sum of CPU tensors of at most ``capacity`` bytes over the default group's ranks."""
+class SharedMemoryCollectives:
+    """Sum, or gather, of CPU tensors of at most ``capacity`` bytes over the default
+    group's ranks. Both collectives share one call sequence (and the slots)."""
 
     def __init__(self, rank: int, world: int, capacity: int, timeout_s: float = 600.0) -> None:
         self.rank, self.world, self.capacity = rank, world, capacity
@@ -89,8 +91,9 @@ class SharedMemoryAllReduce:
             tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= self.capacity
         )
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (``fits(tensor)`` must hold)."""
+    def _exchange(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Publish ``tensor`` in this rank's slot, wait for every rank's: the slots
+        [world, numel] (readable until the call after next)."""
         if not self.fits(tensor):
             raise ValueError(f"{tensor.numel()} elements exceed {self.capacity} bytes")
         self.calls += 1
@@ -102,12 +105,21 @@ class SharedMemoryAllReduce:
         mine.copy_(tensor.reshape(-1))
         self.announced[self.rank] = call
         self._wait_for(call)
-        values = slots[:, :nbytes].view(tensor.dtype)
+        return slots[:, :nbytes].view(tensor.dtype)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (``fits(tensor)`` must hold)."""
+        values = self._exchange(tensor)
         total = values[0].clone()
-        for j in range(1, world):
+        for j in range(1, self.world):
             total += values[j]
         tensor.copy_(total.view(tensor.shape))
         return tensor
+
+    def all_gather(self, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` into ``out`` [world, *local.shape], in rank order."""
+        out.copy_(self._exchange(local).view(out.shape))
+        return out
 
     def _wait_for(self, call: int) -> None:
         announced = self.announced
@@ -121,7 +133,7 @@ class SharedMemoryAllReduce:
             deadline = deadline or now + self.timeout_s
             if now > deadline:
                 late = [j for j in range(self.world) if announced[j] < call]
-                raise TimeoutError(f"shared-memory all-reduce: ranks {late} did not arrive")
+                raise TimeoutError(f"shared-memory collective: ranks {late} did not arrive")
 
     def close(self) -> None:
         self.raw = self.announced = None

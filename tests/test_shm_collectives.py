@@ -1,7 +1,7 @@
-"""The shared-memory all-reduce of same-host CPU ranks against gloo's: the same sums
-(fp32 to rounding, bf16 to its precision), bit-identical on every rank, over shapes,
-dtypes and world sizes (3 ranks on 2 cores exercise the yielding wait), and nothing left
-in /dev/shm."""
+"""The shared-memory collectives of same-host CPU ranks against gloo's: all-reduce gives
+the same sums (fp32 to rounding, bf16 to its precision), bit-identical on every rank,
+all-gather exactly gloo's result, over shapes, dtypes and world sizes (3 ranks on 2 cores
+exercise the yielding wait), and nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from runtime.dist.launcher import launch
 from tests.conftest import TP_EXAMPLES
-from tests.tp_workers import mixed_layout_all_reduce, shm_all_reduce
+from tests.tp_workers import mixed_layout_all_reduce, shm_all_gather, shm_all_reduce
 
 SHAPES = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 CASES = st.lists(
@@ -38,3 +38,21 @@ def test_all_reduce_sums_logical_elements_whatever_the_layout():
     shard is empty multiplies by a plain GEMM) sum element by element, on both paths."""
     results = launch(mixed_layout_all_reduce, 3, (19, 36), timeout_s=120)
     assert results == [[True, True]] * 3
+
+
+GATHERS = st.lists(
+    st.tuples(
+        st.integers(1, 20), st.integers(1, 700), st.sampled_from([torch.float32, torch.bfloat16])
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=TP_EXAMPLES)
+@given(st.integers(2, 3), GATHERS, st.integers(0, 2**16))
+def test_shm_all_gather_matches_gloo(world, cases, seed):
+    """Exactly gloo's gather (a copy, no arithmetic), in rank order, for both gathers
+    the layers use; 20 x 700 fp32 exceeds the 64 KB slots and falls back to gloo."""
+    results = launch(shm_all_gather, world, cases, seed, timeout_s=120)
+    assert results == [[True] * len(cases)] * world
