@@ -105,7 +105,7 @@ def test_tuning_measures_every_shape_and_bucket_once():
             assert all(t > 0 for t in times.values())
     table = choose(timings).describe()
     assert set(table) == {"32x256", "256x32"}
-    assert table["256x32"] == {"1": table["256x32"]["1"], "16": table["256x32"]["16"]}
+    assert set(table["256x32"]) == {"1", "16"}
     assert all(name in {f.name for f in forms_for(256)} for name in table["32x256"].values())
 
 

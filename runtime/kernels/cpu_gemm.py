@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dsl.buckets import nearest_bucket
 from runtime.kernels.eager import matmul as default_matmul
-from runtime.kernels.eager import onednn_linear, stored_transposed
+from runtime.kernels.eager import onednn_linear, stored_transposed, transposed_product
 
 # Decode batches the table is measured at; a product of another row count takes the
 # nearest bucket's form. Above 64 rows (prefill) every form ran within 16% of the others
@@ -53,7 +53,7 @@ class Form:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.kind == "transposed":
-            return torch.mm(b.t(), a.t()).t()
+            return transposed_product(a, b)
         if self.kind == "blocked":
             w = b.t()  # [N, K], contiguous
             n, k = w.shape
@@ -75,17 +75,26 @@ class CpuGemm:
 
     forms: dict[tuple[int, int, torch.dtype], dict[int, Form]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The form for every row count up to the last bucket, looked up once here rather
+        # than on each of a step's products.
+        rows = range(DECODE_ROWS[-1] + 1)
+        self._by_rows = {
+            key: [table[nearest_bucket(table, max(1, r))] for r in rows]
+            for key, table in self.forms.items()
+        }
+
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        table = self.forms.get((b.shape[0], b.shape[1], b.dtype))
+        by_rows = self._by_rows.get((b.shape[0], b.shape[1], b.dtype))
         if (
-            table is None
+            by_rows is None
             or a.dim() != 2
-            or a.shape[0] > DECODE_ROWS[-1]
+            or a.shape[0] >= len(by_rows)
             or a.dtype != b.dtype
             or not stored_transposed(b)
         ):
             return default_matmul(a, b)
-        return table[nearest_bucket(table, a.shape[0])](a.contiguous(), b)
+        return by_rows[a.shape[0]](a.contiguous(), b)
 
     def describe(self) -> dict[str, dict[str, str]]:
         """{"KxN": {rows: form}} for benchmark reports."""

@@ -38,7 +38,8 @@ def stored_transposed(b: torch.Tensor) -> bool:
 
 # Between 16 and 64 rows, computing the product transposed, (W · aᵀ)ᵀ with W [out, in],
 # was faster still (same 30 layers: 63 vs 76 ms at 16 rows, 116 vs 127 at 32, 141 vs 177
-# at 64; equal at 12, slower below), so the dynamic path's decode batches take that form.
+# at 64; equal at 12, slower below). This is the untuned default; the runner replaces it
+# with the forms it measures on the machine (``runtime.kernels.cpu_gemm``).
 _TRANSPOSED_ROWS = range(16, 65)
 
 
@@ -48,8 +49,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type != "cpu" or a.dtype != b.dtype or not stored_transposed(b):
         return a @ b
     if a.dim() == 2 and a.shape[0] in _TRANSPOSED_ROWS:
-        return torch.mm(b.t(), a.t()).t()
+        return transposed_product(a, b)
     return onednn_linear(a, b)
+
+
+def transposed_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, in] · b [in, out] computed as (W · aᵀ)ᵀ, W = bᵀ; the result is a transposed view."""
+    return torch.mm(b.t(), a.t()).t()
 
 
 def onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
