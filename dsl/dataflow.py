@@ -5,12 +5,17 @@ a spec into the ``Plan`` (``dsl.plan``) that all accounting is derived from.
 
 from __future__ import annotations
 
+from functools import partial
+
 from dsl.errors import SpecError
 from dsl.load import tp_error
 from dsl.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     MODES,
+    UP_LAYOUTS,
+    UP_REPLICATED,
+    UP_SHARDED,
     Collective,
     LayerPlan,
     ModePlan,
@@ -29,21 +34,31 @@ from dsl.sharding import (
 from dsl.spec import DTYPE_BYTES, LayerRanks, ModelConfig, Spec
 
 
-def build_plan(spec: Spec, tp: int | None = None, modes: tuple[str, ...] = MODES) -> Plan:
-    """Plan ``spec`` at ``tp`` (default: the spec's) for each of ``modes``."""
+def build_plan(
+    spec: Spec,
+    tp: int | None = None,
+    modes: tuple[str, ...] = MODES,
+    up_layout: str = UP_REPLICATED,
+) -> Plan:
+    """Plan ``spec`` at ``tp`` (default: the spec's) for each of ``modes``; ``up_layout``
+    is how deinfer holds the o/down up factors (``dsl.plan.UP_LAYOUTS``)."""
     tp = spec.parallel.tp if tp is None else tp
+    if up_layout not in UP_LAYOUTS:
+        raise SpecError("up_layout", f"must be one of {', '.join(UP_LAYOUTS)}, found {up_layout!r}")
     error = tp_error(spec.model, tp) if tp >= 1 else f"must be at least 1, found {tp}"
     if error:
         raise SpecError("parallel.tp", error)
     for mode in modes:
         if mode not in MODES:
             raise SpecError("mode", f"must be one of {', '.join(MODES)}, found {mode!r}")
-    return Plan(spec=spec, tp=tp, modes={m: _mode_plan(spec, tp, m) for m in modes})
+    return Plan(spec=spec, tp=tp, modes={m: _mode_plan(spec, tp, m, up_layout) for m in modes})
 
 
-def _mode_plan(spec: Spec, tp: int, mode: str) -> ModePlan:
+def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str) -> ModePlan:
     model = spec.model
-    builder = {"deinfer": _deinfer_layer, "base": _base_layer, "dense": _dense_layer}[mode]
+    up_layout = up_layout if mode == "deinfer" and tp > 1 else UP_REPLICATED
+    deinfer = partial(_deinfer_layer, up_layout=up_layout)
+    builder = {"deinfer": deinfer, "base": _base_layer, "dense": _dense_layer}[mode]
     layer_plans = tuple(
         builder(model, shape, spec.layers_of_shape(shape), tp, f"s{i}")
         for i, shape in enumerate(spec.layer_shapes())
@@ -64,6 +79,7 @@ def _mode_plan(spec: Spec, tp: int, mode: str) -> ModePlan:
         head_dim=model.head_dim,
         num_heads=model.num_heads,
         dtype_bytes=DTYPE_BYTES[spec.runtime.dtype],
+        up_layout=up_layout,
     )
 
 
@@ -98,8 +114,8 @@ def _bias_factor(model: ModelConfig, name: str, split: str, ranges, out: int) ->
 class _DeinferBlock:
     """Collects one deinfer layer's factor shards, concat-splits and collectives."""
 
-    def __init__(self, model: ModelConfig, shape: LayerRanks, tp: int) -> None:
-        self.model, self.shape, self.tp = model, shape, tp
+    def __init__(self, model: ModelConfig, shape: LayerRanks, tp: int, up_layout: str) -> None:
+        self.model, self.shape, self.tp, self.up_layout = model, shape, tp, up_layout
         self.factors: list[FactorShard] = []
         self.concats: list[ConcatSplit] = []
         self.collectives: list[Collective] = []
@@ -123,27 +139,32 @@ class _DeinferBlock:
             self.factors.extend(_bias_factor(model, n, COLS, out_ranges[n], n_out))
 
     def row_group(self, name: str, in_ranges: tuple) -> None:
-        """Second sub-layer: row-parallel down factor, all-reduce in r, replicated up."""
+        """Second sub-layer: row-parallel down factor, all-reduce in r, then the up factor
+        replicated, or split by output columns with an all-gather of the output."""
         n_in, n_out = self.model.matrix_shape(name)
         full = tuple((0, n_out) for _ in range(self.tp))
-        if self.shape.is_decomposed(name):
-            r = self.shape.rank(name)
-            self.factors += [
-                FactorShard(f"{name}.v", name, "down", (n_in, r), ROWS, in_ranges),
-                FactorShard(f"{name}.u", name, "up", (r, n_out), REPLICATED, full),
-            ]
-            self.collectives.append(Collective(ALL_REDUCE, f"{name}_latent", r))
-        else:
+        if not self.shape.is_decomposed(name):
             shard = FactorShard(f"{name}.weight", name, "weight", (n_in, n_out), ROWS, in_ranges)
             self.factors.append(shard)
             self.collectives.append(Collective(ALL_REDUCE, name, n_out))
-        self.factors.extend(_bias_factor(self.model, name, REPLICATED, full, n_out))
+            self.factors.extend(_bias_factor(self.model, name, REPLICATED, full, n_out))
+            return
+        r = self.shape.rank(name)
+        self.factors.append(FactorShard(f"{name}.v", name, "down", (n_in, r), ROWS, in_ranges))
+        self.collectives.append(Collective(ALL_REDUCE, f"{name}_latent", r))
+        split, out_ranges = REPLICATED, full
+        if self.up_layout == UP_SHARDED:
+            split, out_ranges = COLS, even_ranges(n_out, self.tp)
+        self.factors.append(FactorShard(f"{name}.u", name, "up", (r, n_out), split, out_ranges))
+        self.factors.extend(_bias_factor(self.model, name, split, out_ranges, n_out))
+        if split == COLS:
+            self.collectives.append(Collective(ALL_GATHER, f"{name}_out", pad_to(n_out, self.tp)))
 
 
 def _deinfer_layer(
-    model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str
+    model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str, up_layout: str
 ) -> LayerPlan:
-    block = _DeinferBlock(model, shape, tp)
+    block = _DeinferBlock(model, shape, tp, up_layout)
     m_ranges = even_ranges(model.intermediate_size, tp)
     qkv = ("q", "k", "v")
     block.column_group("attn", qkv, {n: _cols_by_heads(model, n, tp) for n in qkv})

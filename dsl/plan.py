@@ -9,7 +9,9 @@ layer holds, latent widths) are properties computed from it, here only.
 Modes:
 * ``deinfer`` — concat-split down factors, all-gather in the latent space, up
   factors sharded by heads / columns of m, row-parallel o/down down-factors with an
-  all-reduce of width r, replicated o/down up-factors.
+  all-reduce of width r, then the o/down up-factors either replicated (the paper's
+  layout, ``UP_REPLICATED``) or split by output columns and their outputs all-gathered
+  (``UP_SHARDED``: fewer weight bytes per rank for one more collective each).
 * ``base`` — naive TP: every factor pair is a Megatron pair with an all-reduce of
   the full output (7 per block); every rank computes all heads.
 * ``dense`` — undecomposed Megatron TP (the products D·U): 2 all-reduces of h.
@@ -27,6 +29,9 @@ from dsl.spec import LayerRanks, Spec
 
 MODES = ("deinfer", "base", "dense")
 ALL_GATHER, ALL_REDUCE = "all_gather", "all_reduce"
+# How deinfer lays out the up factors of o and down (fc2), after the all-reduce in r.
+UP_REPLICATED, UP_SHARDED = "replicated", "sharded"
+UP_LAYOUTS = (UP_REPLICATED, UP_SHARDED)
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class ModePlan:
     head_dim: int
     num_heads: int
     dtype_bytes: int
+    up_layout: str = UP_REPLICATED  # deinfer's o/down up factors (UP_LAYOUTS)
 
     def layer_plan(self, ranks: LayerRanks) -> LayerPlan:
         """The plan of a layer with these ranks (layers of equal ranks share one)."""

@@ -33,6 +33,7 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
         serving_requests=3,
         breakdown_steps=2,
         reps=2,
+        up_layouts=("auto", "replicated"),
     )
     messages = []
     results = run_bench(cfg, messages.append)
@@ -46,10 +47,13 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
         for m, kv in (
             ("deinfer", "dense"),
             ("deinfer", "latent"),
+            ("deinfer", "dense up=replicated"),
+            ("deinfer", "latent up=replicated"),
             ("base", "dense"),
             ("dense", "dense"),
         )
     }
+    _check_up_layouts(results)
     for v in results["variants"]:
         assert len(v["throughput"]) == 2 and len(v["serving"]) == 2
         for key in (
@@ -74,6 +78,17 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
     files = plots(results, tmp_path)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
     assert json.loads(json.dumps(results))["config"]["tps"] == [1, 2]  # JSON as written
+
+
+def _check_up_layouts(results) -> None:
+    """auto splits the o/down up factors where the ranks share memory (tp 2 here); the
+    table says so beside the label."""
+    deinfer = [v for v in results["variants"] if v["mode"] == "deinfer"]
+    used = {(v["label"], v["up_layout_used"]) for v in deinfer}
+    assert ("deinfer kv=dense tp2", "sharded") in used
+    assert ("deinfer kv=dense up=replicated tp2", "replicated") in used
+    assert ("deinfer kv=dense tp1", "replicated") in used
+    assert "| deinfer kv=dense tp2 (up=sharded) |" in markdown(results)
 
 
 def test_bench_against_transformers_and_the_floor(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from dsl import build_plan, load_spec
 from dsl.errors import UserError
+from dsl.plan import UP_REPLICATED, UP_SHARDED
 from tests.conftest import REPO, SPECS
 from tune.cost_model import (
     Workload,
@@ -19,6 +20,7 @@ from tune.cost_model import (
     link_rate_for_ratio,
     overlap_from_rows,
     predict_block,
+    up_layout_choice,
 )
 from tune.profiles import DeviceProfile, builtin_profiles, load_profile
 from tune.table5 import FIT, PUBLISHED, TOLERANCE, reproduce
@@ -89,6 +91,23 @@ def test_one_all_gather_below_a_row_count_the_ring_above_it():
     assert predict_block(build_plan(spec, 2).modes["base"], DEV, Workload(8)).gather == "-"
 
 
+def test_up_factors_split_on_a_free_link_and_replicated_on_a_slow_one():
+    """Splitting U_o / U_down saves their bytes per rank for two all-gathers of h: worth it
+    when the link is nearly free, not when it is slow; the sharded plan's block streams
+    fewer weight bytes and moves more."""
+    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
+    replicated = build_plan(spec, tp=8).modes["deinfer"]
+    sharded = build_plan(spec, tp=8, up_layout=UP_SHARDED).modes["deinfer"]
+    work = Workload(16, 512)
+    free = replace(DEV, link_bytes_per_s=1e15, link_latency_s=0.0)
+    slow = replace(DEV, link_bytes_per_s=1e6)
+    assert up_layout_choice(replicated, sharded, free, work) == UP_SHARDED
+    assert up_layout_choice(replicated, sharded, slow, work) == UP_REPLICATED
+    rep, shard = (predict_block(mp, DEV, work) for mp in (replicated, sharded))
+    assert shard.gemm_s < rep.gemm_s and shard.comm_s > rep.comm_s
+    assert shard.collectives == rep.collectives + 2
+
+
 def test_builtin_profiles_load_and_bad_ones_are_one_line_errors(tmp_path):
     assert {"a800-pcie", "a800-nvlink", "cpu-here"} <= set(builtin_profiles())
     nvlink, pcie = load_profile("a800-nvlink"), load_profile("a800-pcie")
@@ -138,6 +157,7 @@ def test_predict_cli_prints_modes_and_choices_and_rejects_bad_input():
     ).stdout
     assert "| deinfer | 8 |" in out and "| base | 8 |" in out and "| dense | 8 |" in out
     assert "deinfer all-gather:" in out and "KV cache" in out
+    assert "| deinfer up=sharded | 8 |" in out and "o/down up factors" in out
     bad = subprocess.run(
         [*cmd, str(SPECS / "cpu-demo.yaml"), "--device", "nope"],
         capture_output=True,

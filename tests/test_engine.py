@@ -57,22 +57,27 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize(
-    "tp,mode,kv",
+    "tp,mode,kv,up",
     [
-        (1, "deinfer", "dense"),
-        (1, "deinfer", "latent"),
-        (1, "base", "dense"),
-        (1, "dense", "dense"),
-        (2, "deinfer", "dense"),
-        (2, "deinfer", "latent"),
-        (2, "base", "dense"),
-        (2, "dense", "dense"),
+        (1, "deinfer", "dense", "auto"),
+        (1, "deinfer", "latent", "auto"),
+        (1, "base", "dense", "auto"),
+        (1, "dense", "dense", "auto"),
+        # auto: o/down up factors split by columns (the ranks share memory here)
+        (2, "deinfer", "dense", "auto"),
+        (2, "deinfer", "latent", "auto"),
+        (2, "deinfer", "dense", "replicated"),  # the paper's layout
+        (2, "base", "dense", "auto"),
+        (2, "dense", "dense", "auto"),
     ],
 )
-def test_greedy_equals_transformers(model, tp, mode, kv, path):
+def test_greedy_equals_transformers(model, tp, mode, kv, up, path):
     spec_path, ckpt, want = model
     backend = "triton" if (tp, kv) == (2, "latent") else "torch"
-    with LLM(spec_path, ckpt, tp=tp, mode=mode, kv_cache=kv, backend=backend, path=path) as llm:
+    options = {"kv_cache": kv, "backend": backend, "path": path, "up_layout": up}
+    with LLM(spec_path, ckpt, tp=tp, mode=mode, **options) as llm:
+        want_layout = "sharded" if (tp, mode, up) == (2, "deinfer", "auto") else "replicated"
+        assert llm.workers.call("plan_up_layout") == [want_layout] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)

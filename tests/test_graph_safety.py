@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from codegen.generate import generate, write_atomically
 from dsl import parse_spec
-from runtime.engine.model_runner import ModelRunner, RunnerConfig, SeqInput
+from runtime.engine.model_runner import ModelRunner, SeqInput
+from runtime.engine.runner_config import RunnerConfig
 from runtime.engine.sequence import SamplingParams
 from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed
 

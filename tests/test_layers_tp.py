@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
+from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.kernels.reference import apply_norm, rope_inplace
 from runtime.model.rope import inv_freq
@@ -30,6 +31,10 @@ RUNS = (
     ("base", "triton"),
     ("dense", "torch"),
     ("dense", "triton"),
+    # o/down up factors split by columns, outputs all-gathered (the shared-memory layout)
+    ("deinfer", "torch", UP_SHARDED),
+    ("deinfer", "triton", UP_SHARDED),
+    ("deinfer", "eager", UP_SHARDED),
 )
 
 
@@ -151,19 +156,20 @@ def test_sharded_layers_equal_unsharded_reference(groups, tmp_path_factory, raw,
     positions = torch.randint(0, 50, (tokens,), generator=g, dtype=torch.int32).sort().values
     want = _reference(spec, layers, x, positions)
     per_rank = groups(tp).run(run_layers, text, str(folder), layers, x, positions, RUNS)
-    plan = build_plan(spec)
-    for mode, backend in RUNS:
-        outs = [r[(mode, backend)] for r in per_rank]
+    for run in RUNS:
+        mode, layout = run[0], (*run, UP_REPLICATED)[2]
+        plan = build_plan(spec, up_layout=layout)
+        outs = [r[run] for r in per_rank]
         for rank, (h, elements, captured) in enumerate(outs):
             err = (h - want).abs().max().item()
-            assert err <= TOL * max(1.0, want.abs().max().item()), (mode, backend, rank, err)
+            assert err <= TOL * max(1.0, want.abs().max().item()), (run, rank, err)
             assert torch.equal(h, outs[0][0]), "ranks disagree"
             expected: dict[str, int] = {}
             for layer_ranks in spec.decomposition.layers:
                 lp = plan.modes[mode].layer_plan(layer_ranks)
                 for c in lp.collectives:
                     expected[c.kind] = expected.get(c.kind, 0) + c.elements * tokens
-            assert elements == expected, (mode, backend)
+            assert elements == expected, run
             if mode == "deinfer":
                 _check_latents(spec, layers, captured)
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
+from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.tools.decompose import model_section
 from tests.conftest import TP_EXAMPLES
@@ -20,7 +21,7 @@ from tests.tp_workers import run_model
 
 # fp32 everywhere; the sharded sums and the SVD products reorder additions.
 TOL = 1e-4
-# (mode, backend): "eager" is the dynamic (CPU) path's backend, with its weight layout
+# (mode, backend[, up layout]): "eager" is the dynamic (CPU) path's backend, with its weight layout
 # ([out, in] storage, fused q|k|v and gate|up in dense mode).
 RUNS = (
     ("deinfer", "triton"),
@@ -30,6 +31,7 @@ RUNS = (
     ("deinfer", "eager"),
     ("base", "eager"),
     ("dense", "eager"),
+    ("deinfer", "eager", UP_SHARDED),  # o/down up factors split, outputs all-gathered
 )
 
 
@@ -104,17 +106,18 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
     )
     scale = max(1.0, want.abs().max().item())
     tokens = sum(len(p) for p in prompts)
-    plan = build_plan(spec)
     # The three modes agree with each other (not only each with the reference).
     first = per_rank[0][RUNS[0]][0]
     for run in RUNS[1:]:
         assert (per_rank[0][run][0] - first).abs().max().item() <= 2 * TOL * scale, run
-    for mode, backend in RUNS:
-        logits, elements = per_rank[0][(mode, backend)]
+    for run in RUNS:
+        mode, layout = run[0], (*run, UP_REPLICATED)[2]
+        plan = build_plan(spec, up_layout=layout)
+        logits, elements = per_rank[0][run]
         err = (logits - want).abs().max().item()
-        assert err <= TOL * scale, (family, mode, backend, err)
+        assert err <= TOL * scale, (family, run, err)
         for other in per_rank[1:]:
-            assert torch.equal(other[(mode, backend)][0], logits), "ranks disagree"
+            assert torch.equal(other[run][0], logits), "ranks disagree"
         # The comm counter's per-block elements equal the plan's, exactly.
         expected = {}
         for layer in spec.decomposition.layers:
@@ -122,4 +125,4 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
             for c in lp.collectives:
                 expected[c.kind] = expected.get(c.kind, 0) + c.elements * tokens
         blocks = {k: v for k, v in elements.items() if ":" not in k}
-        assert blocks == expected, (mode, backend)
+        assert blocks == expected, run

@@ -102,9 +102,11 @@ def test_gpu_check_without_a_gpu(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_unknown_backend_from_python_is_one_error():
+def test_an_unknown_backend_or_up_layout_from_python_is_one_error():
     from dsl.errors import UserError
     from runtime.engine import LLM
 
     with pytest.raises(UserError, match="backend must be one of"):
         LLM(SPECS / "tiny-llama.yaml", "nowhere", backend="cuda")
+    with pytest.raises(UserError, match="up_layout must be auto or one of replicated, sharded"):
+        LLM(SPECS / "tiny-llama.yaml", "nowhere", up_layout="diagonal")

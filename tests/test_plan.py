@@ -7,11 +7,12 @@ import json
 from collections import Counter
 
 import numpy as np
+import pytest
 import yaml
 from hypothesis import given
 
-from dsl import build_plan, load_spec, parse_spec
-from dsl.plan import ALL_GATHER, ALL_REDUCE, LayerPlan
+from dsl import SpecError, build_plan, load_spec, parse_spec
+from dsl.plan import ALL_GATHER, ALL_REDUCE, UP_REPLICATED, UP_SHARDED, LayerPlan
 from dsl.ranks import rank_from_ratio
 from dsl.report import plan_json
 from dsl.sharding import COLS, REPLICATED, ROWS
@@ -197,12 +198,16 @@ class _Sim:
 
     def row_group(self, n: str, inputs: list[np.ndarray]) -> np.ndarray:
         if self.lp.shape.is_decomposed(n):
-            f = self.lp.factor(f"{n}.v")
-            assert f.split == ROWS and self.lp.factor(f"{n}.u").split == REPLICATED
+            f, up = self.lp.factor(f"{n}.v"), self.lp.factor(f"{n}.u")
+            assert f.split == ROWS and up.split in (REPLICATED, COLS)
             parts = [
                 inputs[r] @ self._pad_slice(self.w[n][0], 0, *f.ranges[r]) for r in range(self.tp)
             ]
-            return self.all_reduce(parts) @ self.w[n][1]
+            p = self.all_reduce(parts)
+            if up.split == REPLICATED:
+                return p @ self.w[n][1]
+            outs = [p @ self._pad_slice(self.w[n][1], 1, *up.ranges[r]) for r in range(self.tp)]
+            return self.all_gather(outs)[: up.length]
         f = self.lp.factor(f"{n}.weight")
         assert f.split == ROWS
         return self.all_reduce(
@@ -292,14 +297,41 @@ def test_shards_tile_and_collectives_match_simulation(raw):
     spec = parse_spec(yaml.safe_dump(raw))
     tp = spec.parallel.tp
     plan = build_plan(spec)
+    sharded = build_plan(spec, modes=("deinfer",), up_layout=UP_SHARDED).modes["deinfer"]
     rng = np.random.default_rng(0)
-    for mode, mp in plan.modes.items():
+    for mode, mp in [*plan.modes.items(), ("deinfer", sharded)]:
         assert sum(len(lp.layers) for lp in mp.layer_plans) == spec.model.num_layers
         for lp in mp.layer_plans:
             _assert_tiles(lp, spec.model, tp)
             sim = _Sim(spec.model, lp, tp, rng)
             getattr(sim, f"{mode}_block")(rng.standard_normal(spec.model.hidden_size))
             assert sim.log == [(c.kind, c.elements) for c in lp.collectives], mode
+
+
+def test_sharded_up_layout_trades_weight_bytes_for_two_all_gathers():
+    """llama3-70b at 40%, tp 8: the o/down up factors split by columns hold as many
+    weight bytes per rank as base's fully sharded factors (not more, as replicated ones
+    do), for two all-gathers of h per block (2·8192 paper units on top of 35,640)."""
+    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
+    replicated = build_plan(spec, tp=8)
+    sharded = build_plan(spec, tp=8, up_layout=UP_SHARDED).modes["deinfer"]
+    assert sharded.up_layout == UP_SHARDED
+    assert replicated.modes["deinfer"].up_layout == UP_REPLICATED
+    assert sharded.comm_units_per_token_per_block() == 35_640 + 2 * 8192
+    assert sharded.collectives_per_block() == 6 < replicated.modes["base"].collectives_per_block()
+    rep_bytes = replicated.modes["deinfer"].weight_bytes_per_rank()
+    base_bytes = replicated.modes["base"].weight_bytes_per_rank()
+    assert sharded.weight_bytes_per_rank() <= base_bytes < rep_bytes
+    o_up = sharded.layer_plans[0].factor("o.u")
+    assert o_up.split == COLS and o_up.local_shape(0) == (4916, 1024)
+    # tp 1 has nothing to split: the plan is the replicated one
+    assert build_plan(spec, tp=1, up_layout=UP_SHARDED).modes["deinfer"].up_layout == UP_REPLICATED
+
+
+def test_unknown_up_layout_names_the_field():
+    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
+    with pytest.raises(SpecError, match="up_layout: must be one of replicated, sharded"):
+        build_plan(spec, up_layout="diagonal")
 
 
 @given(spec_dicts())

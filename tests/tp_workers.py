@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dsl import build_plan, parse_spec
+from dsl.plan import UP_REPLICATED
 from runtime.dist.comm import Comm
 from runtime.kernels.loader import load_generated
 from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
@@ -33,10 +34,9 @@ def causal_attention(captured: list):
 
 
 def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
-    """Run every layer of the spec on this rank for each (mode, backend) in ``runs``;
-    returns {(mode, backend): (hidden, comm elements by kind, captured latents)}."""
+    """Run every layer of the spec on this rank for each (mode, backend[, up layout]) in
+    ``runs``; returns {run: (hidden, comm elements by kind, captured latents)}."""
     spec = parse_spec(spec_text)
-    plan = build_plan(spec, tp=world)
     registry = load_generated(folder).KERNELS
     freqs = (
         inv_freq(spec.model.positions, spec.model.head_dim)
@@ -44,7 +44,9 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
         else None
     )
     results = {}
-    for mode, backend in runs:
+    for run in runs:
+        mode, backend, layout = (*run, UP_REPLICATED)[:3]
+        plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         captured: list = []
         batch = Batch(
@@ -69,7 +71,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
             )
             h = LAYER_CLASSES[mode](setup, index, weights)(h, batch)
         elements = {kind: s.elements for kind, s in comm.stats.by_kind.items()}
-        results[(mode, backend)] = (h, elements, captured)
+        results[run] = (h, elements, captured)
     return results
 
 
@@ -104,13 +106,13 @@ def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
 
 
 def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
-    """Logits of the packed ``prompts`` for each (mode, backend), with comm counts."""
+    """Logits of the packed ``prompts`` for each (mode, backend[, up layout]), with comm
+    counts."""
     from runtime.model.attention import packed_causal_attention
     from runtime.model.transformer import TPModel
     from runtime.model.weights import load_rank_weights
 
     spec = parse_spec(spec_text)
-    plan = build_plan(spec, tp=world)
     registry = load_generated(folder).KERNELS
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int32)
     positions = torch.tensor([i for p in prompts for i in range(len(p))], dtype=torch.int32)
@@ -118,7 +120,9 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
     for p in prompts:
         cu.append(cu[-1] + len(p))
     results = {}
-    for mode, backend in runs:
+    for run in runs:
+        mode, backend, layout = (*run, UP_REPLICATED)[:3]
+        plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)
         model = TPModel(spec, plan.modes[mode], rank, comm, registry, backend, weights)
@@ -130,7 +134,7 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
             attention=packed_causal_attention(cu),
         )
         logits = model.logits(model(ids, positions, batch))
-        results[(mode, backend)] = (logits, {k: s.elements for k, s in comm.stats.by_kind.items()})
+        results[run] = (logits, {k: s.elements for k, s in comm.stats.by_kind.items()})
     return results
 
 

@@ -158,6 +158,15 @@ def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPred
     )
 
 
+def up_layout_choice(
+    replicated: ModePlan, sharded: ModePlan, dev: DeviceProfile, work: Workload
+) -> str:
+    """deinfer's o/down up factors: replicated (the paper: more weight bytes per rank) or
+    split by columns (two more all-gathers of h per block), whichever block is faster."""
+    rep, shard = (predict_block(mp, dev, work).total_s for mp in (replicated, sharded))
+    return sharded.up_layout if shard < rep else replicated.up_layout
+
+
 def kv_choice(
     mp: ModePlan, dev: DeviceProfile, work: Workload
 ) -> list[tuple[tuple[int, ...], str]]:

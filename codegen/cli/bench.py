@@ -43,6 +43,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="one all-gather instead of the ring overlapped with the up GEMM",
     )
     p.add_argument(
+        "--up-layouts",
+        default=None,
+        help="deinfer rows: o/down up-factor layouts, e.g. auto,replicated,sharded",
+    )
+    p.add_argument(
         "--link",
         action="append",
         default=None,
@@ -139,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         "batches": args.batches,
         "hf": True if args.hf else None,
         "links": tuple(args.link) if args.link else None,
+        "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dsl.plan import MODES
+from dsl.plan import MODES, UP_LAYOUTS
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="dynamic path: skip measuring the fastest product form per weight shape at "
         "start-up (a few seconds for a 1 GB model) and use the default forms",
+    )
+    p.add_argument(
+        "--up-layout",
+        choices=("auto", *UP_LAYOUTS),
+        default="auto",
+        help="deinfer: hold the o/down up factors replicated (the paper) or sharded with an "
+        "all-gather of the output; auto: sharded where the ranks share memory",
     )
     p.add_argument(
         "--link",
@@ -73,6 +80,7 @@ def open_engine(args: argparse.Namespace):
         path=args.path,
         threads=args.threads,
         tune_gemm=args.tune_gemm,
+        up_layout=args.up_layout,
         link=args.link,
         heartbeat_s=args.timeout_s or HEARTBEAT_S,
     )

@@ -93,41 +93,68 @@ def _table5() -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from dsl import build_plan, load_spec
-    from tune.cost_model import Workload, kv_choice, overlap_from_rows, predict_block
+    from dsl import load_spec
     from tune.profiles import load_profile
 
     spec = load_spec(args.spec)
     dev = load_profile(args.device)
-    plan = build_plan(spec, tp=args.tp)
     context = args.context if args.context is not None else 512
     batches = [args.batch] if args.batch else [b for b in spec.runtime.cuda_graph_batch_sizes]
-    out = {"spec": spec.name, "tp": plan.tp, "device": asdict(dev), "context": context, "rows": []}
-    for mode in MODES:
-        mp = plan.modes[mode]
-        for batch in batches:
-            pred = predict_block(mp, dev, Workload(batch, context))
-            out["rows"].append({**asdict(pred), "batch": batch, "compute_s": pred.compute_s})
-        out.setdefault("choices", {})[mode] = {
-            "overlap_from_rows": overlap_from_rows(mp, dev, context),
-            "kv_cache": [
-                {"layers": list(layers), "cache": kind}
-                for layers, kind in kv_choice(mp, dev, Workload(batches[-1], context))
-            ]
-            if mode == "deinfer"
-            else None,
-        }
+    out = _prediction(spec, args.tp, dev, batches, context)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(
-        f"{spec.name} at tp {plan.tp} on {dev.name} ({dev.description}); "
-        f"context {context}; ms per block per forward"
+    print(_prediction_text(out, spec.name, dev, batches))
+    if args.ratios:
+        print(_ratio_table(args, dev, batches[-1], context))
+    return 0
+
+
+def _prediction(spec, tp: int | None, dev, batches: list[int], context: int) -> dict:
+    """Per mode (and deinfer's sharded up layout) and batch, the predicted block; per
+    mode, the choices the model implies."""
+    from dsl import build_plan
+    from tune.cost_model import (
+        Workload,
+        kv_choice,
+        overlap_from_rows,
+        predict_block,
+        up_layout_choice,
     )
-    print("| mode | batch | gemm | attention | overhead | compute | comm | total | comm MB/rank |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    plan = build_plan(spec, tp=tp)
+    out = {"spec": spec.name, "tp": plan.tp, "device": asdict(dev), "context": context, "rows": []}
+    sharded = build_plan(spec, tp=tp, modes=("deinfer",), up_layout="sharded").modes["deinfer"]
+    layouts = {"deinfer up=sharded": sharded} if plan.tp > 1 else {}
+    for mode, mp in [*((m, plan.modes[m]) for m in MODES), *layouts.items()]:
+        for batch in batches:
+            pred = predict_block(mp, dev, Workload(batch, context))
+            out["rows"].append(
+                {**asdict(pred), "mode": mode, "batch": batch, "compute_s": pred.compute_s}
+            )
+    work = Workload(batches[-1], context)
+    out["choices"] = {
+        m: {"overlap_from_rows": overlap_from_rows(plan.modes[m], dev, context)} for m in MODES
+    }
+    deinfer = plan.modes["deinfer"]
+    out["choices"]["deinfer"]["kv_cache"] = [
+        {"layers": list(layers), "cache": kind} for layers, kind in kv_choice(deinfer, dev, work)
+    ]
+    out["choices"]["deinfer"]["up_layout"] = {
+        b: up_layout_choice(deinfer, sharded, dev, Workload(b, context)) for b in batches
+    }
+    return out
+
+
+def _prediction_text(out: dict, name: str, dev, batches: list[int]) -> str:
+    lines = [
+        f"{name} at tp {out['tp']} on {dev.name} ({dev.description}); "
+        f"context {out['context']}; ms per block per forward",
+        "| mode | batch | gemm | attention | overhead | compute | comm | total | comm MB/rank |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in out["rows"]:
-        print(
+        lines.append(
             f"| {r['mode']} | {r['batch']} | {r['gemm_s'] * 1e3:.3f} | "
             f"{r['attention_s'] * 1e3:.3f} | {r['overhead_s'] * 1e3:.3f} | "
             f"{r['compute_s'] * 1e3:.3f} | {r['comm_s'] * 1e3:.3f} | "
@@ -135,7 +162,7 @@ def _predict(args: argparse.Namespace) -> int:
         )
     choice = out["choices"]["deinfer"]
     start = choice["overlap_from_rows"]
-    print(
+    lines.append(
         "deinfer all-gather: "
         + (
             f"ring overlapped with the up GEMM from {start} rows, one all-gather below"
@@ -146,10 +173,12 @@ def _predict(args: argparse.Namespace) -> int:
     kinds = ", ".join(
         f"layers {c['layers'][0]}-{c['layers'][-1]}: {c['cache']}" for c in choice["kv_cache"]
     )
-    print(f"deinfer KV cache at batch {batches[-1]}: {kinds}")
-    if args.ratios:
-        print(_ratio_table(args, dev, batches[-1], context))
-    return 0
+    lines.append(f"deinfer KV cache at batch {batches[-1]}: {kinds}")
+    ups = ", ".join(f"{b}: {layout}" for b, layout in choice["up_layout"].items())
+    lines.append(
+        f"deinfer o/down up factors (replicated: the paper; sharded: + all-gather), by batch: {ups}"
+    )
+    return "\n".join(lines)
 
 
 def _ratio_table(args: argparse.Namespace, dev, batch: int, context: int) -> str:

@@ -36,6 +36,7 @@ KERNELS = KernelRegistry(
         (308, 128): gemm_fixed,
         (512, 1228): gemm_fixed,
         (512, 2048): gemm_fixed,
+        (1228, 512): gemm_fixed,
         (1228, 2048): gemm_fixed,
         (1408, 1228): gemm_fixed,
         (1408, 2048): gemm_fixed,

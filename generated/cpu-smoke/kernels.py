@@ -36,6 +36,7 @@ KERNELS = KernelRegistry(
         (308, 256): gemm_fixed,
         (512, 614): gemm_fixed,
         (512, 1024): gemm_fixed,
+        (614, 512): gemm_fixed,
         (614, 1024): gemm_fixed,
         (1024, 154): gemm_fixed,
         (1024, 256): gemm_fixed,

@@ -38,6 +38,7 @@ KERNELS = KernelRegistry(
         (1024, 8192): gemm_fixed,
         (3584, 4916): gemm_fixed,
         (3584, 8192): gemm_fixed,
+        (4916, 1024): gemm_fixed,
         (4916, 8192): gemm_fixed,
         (8192, 77): gemm_fixed,
         (8192, 128): gemm_fixed,

@@ -51,6 +51,11 @@ CONFIGS = {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
     },
+    # used by deinfer/sharded s0 down.u, deinfer/sharded s0 o.u, deinfer/sharded s1 down.u, deinfer/sharded s1 o.u; meta-parameters: default (no device name given)
+    (2458, 1024): {
+        1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
+        256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
+    },
     # used by deinfer s0 down.u, deinfer s0 o.u, deinfer s1 down.u, deinfer s1 o.u; meta-parameters: default (no device name given)
     (2458, 4096): {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},

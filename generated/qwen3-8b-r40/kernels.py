@@ -45,6 +45,7 @@ KERNELS = KernelRegistry(
         (1024, 1024): gemm_fixed,
         (1024, 2458): gemm_fixed,
         (1024, 4096): gemm_fixed,
+        (2458, 1024): gemm_fixed,
         (2458, 4096): gemm_fixed,
         (3072, 2458): gemm_fixed,
         (3072, 4096): gemm_fixed,

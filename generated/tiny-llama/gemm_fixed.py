@@ -81,6 +81,11 @@ CONFIGS = {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
     },
+    # used by deinfer/sharded s0 o.u, deinfer/sharded s1 o.u; meta-parameters: default (no device name given)
+    (29, 32): {
+        1: {'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
+        256: {'BLOCK_M': 64, 'BLOCK_N': 32, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
+    },
     # used by deinfer s0 o.u, deinfer s1 o.u; meta-parameters: default (no device name given)
     (29, 64): {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
@@ -95,6 +100,11 @@ CONFIGS = {
     (32, 64): {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
+    },
+    # used by deinfer/sharded s0 down.u; meta-parameters: default (no device name given)
+    (41, 32): {
+        1: {'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
+        256: {'BLOCK_M': 64, 'BLOCK_N': 32, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3},
     },
     # used by deinfer s0 down.u; meta-parameters: default (no device name given)
     (41, 64): {

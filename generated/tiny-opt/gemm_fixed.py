@@ -31,7 +31,7 @@ CONFIGS = {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
     },
-    # used by deinfer s0 k.u reconstruct, deinfer s0 v.u reconstruct; meta-parameters: default (no device name given)
+    # used by deinfer s0 k.u reconstruct, deinfer s0 v.u reconstruct, deinfer/sharded s0 o.u; meta-parameters: default (no device name given)
     (15, 24): {
         1: {'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 32, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
@@ -40,6 +40,11 @@ CONFIGS = {
     (15, 48): {
         1: {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
         256: {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 16, 'num_warps': 4, 'num_stages': 3},
+    },
+    # used by deinfer/sharded s0 fc2.u; meta-parameters: default (no device name given)
+    (19, 24): {
+        1: {'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
+        256: {'BLOCK_M': 64, 'BLOCK_N': 32, 'BLOCK_K': 32, 'num_warps': 4, 'num_stages': 3},
     },
     # used by deinfer s0 fc2.u; meta-parameters: default (no device name given)
     (19, 48): {

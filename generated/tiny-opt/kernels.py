@@ -32,6 +32,7 @@ KERNELS = KernelRegistry(
         (10, 80): gemm_fixed,
         (15, 24): gemm_fixed,
         (15, 48): gemm_fixed,
+        (19, 24): gemm_fixed,
         (19, 48): gemm_fixed,
         (24, 15): gemm_fixed,
         (24, 48): gemm_fixed,

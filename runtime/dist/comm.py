@@ -124,7 +124,7 @@ class Comm:
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
         shared = self._shared(local)
-        if (shared or not self.overlap) and world > 1:
+        if not self.rings(local) and world > 1:
             # Through shared memory the gather costs a copy: nothing worth overlapping.
             if shared:
                 self.shm.all_gather(local, chunks)
@@ -156,6 +156,11 @@ class Comm:
             src = (rank - s - 1) % world
             yield src, chunks[src]
         self._done("all_gather", chunks.numel(), start)
+
+    def rings(self, local: torch.Tensor) -> bool:
+        """Whether ``all_gather_chunks(local, ...)`` runs the ring (chunks arriving one by
+        one, worth overlapping) rather than one all-gather (or none, alone)."""
+        return self.world > 1 and self.overlap and not self._shared(local)
 
     def _shared(self, tensor: torch.Tensor) -> bool:
         return self.shm is not None and self.shm.fits(tensor)

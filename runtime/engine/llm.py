@@ -22,6 +22,7 @@ import torch.distributed as dist
 from codegen import generated_folder
 from dsl import MODES, Spec, build_plan, load_spec
 from dsl.errors import UserError
+from dsl.plan import UP_LAYOUTS
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.launcher import (
@@ -33,14 +34,8 @@ from runtime.dist.launcher import (
 )
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.kv_cache import bytes_per_block
-from runtime.engine.model_runner import (
-    PATHS,
-    ModelRunner,
-    RunnerConfig,
-    SeqInput,
-    default_path,
-    default_threads,
-)
+from runtime.engine.model_runner import ModelRunner, SeqInput
+from runtime.engine.runner_config import PATHS, RunnerConfig, default_path, default_threads
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.kernels import BACKENDS
@@ -79,7 +74,11 @@ def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
     return ModelRunner(rank, world, config)
 
 
-def _check_choices(mode: str, path: str | None, kv: str) -> None:
+def _check_choices(mode: str, path: str | None, kv: str, up_layout: str) -> None:
+    if up_layout != "auto" and up_layout not in UP_LAYOUTS:
+        raise UserError(
+            f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {up_layout!r}"
+        )
     if mode not in MODES:
         raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
     if path is not None and path not in PATHS:
@@ -131,19 +130,18 @@ class LLM:
         prefill_chunk: int = 512,
         shm_collectives: bool = True,
         tune_gemm: bool = True,
+        up_layout: str = "auto",
         link: LinkSpec | str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.spec = spec if tp is None else spec.with_tp(tp)
         kv = kv_cache or self.spec.runtime.kv_cache
-        _check_choices(mode, path, kv)
+        _check_choices(mode, path, kv, up_layout)
         self.path = path or default_path()
         self.backend = _backend(backend, self.path)
         self.plan = build_plan(self.spec, modes=(mode,)).modes[mode]
-        if num_blocks is None:
-            num_blocks = self._blocks_for_budget(kv, kv_memory_bytes)
-        self.blocks, self.scheduler = self._scheduler(num_blocks)
+        self.blocks, self.scheduler = self._scheduler(num_blocks, kv, kv_memory_bytes)
         self.link = LinkSpec.parse(link) if isinstance(link, str) else link
         self.threads = threads or default_threads(self.spec.parallel.tp)
         config = RunnerConfig(
@@ -153,7 +151,7 @@ class LLM:
             mode=mode,
             backend=self.backend,
             kv_cache=kv,
-            num_blocks=num_blocks,
+            num_blocks=self.blocks.num_blocks,
             cuda_graphs=cuda_graphs,
             comm_stats=comm_stats,
             overlap=overlap,
@@ -164,6 +162,7 @@ class LLM:
             # with an emulated link every collective must cross it
             shm_collectives=shm_collectives and self.link is None,
             tune_gemm=tune_gemm,
+            up_layout=up_layout,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.
         self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)
@@ -171,8 +170,13 @@ class LLM:
         self.workers = self._start_workers(config, timeout_s, heartbeat_s)
         self._next_id = 0
 
-    def _scheduler(self, num_blocks: int) -> tuple[BlockManager, Scheduler]:
+    def _scheduler(
+        self, num_blocks: int | None, kv: str, kv_memory_bytes: int
+    ) -> tuple[BlockManager, Scheduler]:
+        """A pool of ``num_blocks`` (default: what ``kv_memory_bytes`` holds); its scheduler."""
         rt = self.spec.runtime
+        if num_blocks is None:
+            num_blocks = self._blocks_for_budget(kv, kv_memory_bytes)
         blocks = BlockManager(num_blocks, rt.block_size)
         config = SchedulerConfig(
             max_batch_size=rt.max_batch_size,

@@ -5,18 +5,20 @@ work proportional to the tokens that exist (``runtime.model.eager_attention``)."
 
 from __future__ import annotations
 
-import os
+import contextlib
+import ctypes
 import time
 from dataclasses import dataclass
 
 import torch
 
-from dsl import Spec, build_plan
+from dsl import build_plan
 from dsl.plan import ModePlan
 from runtime.dist.comm import Comm
 from runtime.dist.shm_collectives import SharedMemoryCollectives
 from runtime.dist.shm_collectives import available as shm_available
 from runtime.engine.kv_cache import allocate
+from runtime.engine.runner_config import PATHS, RunnerConfig, up_layout_for
 from runtime.engine.sampling import TokenLogprobs, make_generator, sample, token_logprobs
 from runtime.engine.sequence import SamplingParams
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
@@ -38,49 +40,20 @@ from runtime.model.transformer import TPModel
 from runtime.model.weights import load_rank_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PATHS = ("static", "dynamic")
 
 
 # What a step returns: a token per sequence, and log-probabilities where any was asked.
 Sampled = tuple[list[int], list[TokenLogprobs | None] | None]
 
 
-def default_path() -> str:
-    """Static (graph-safe, CUDA graphs) on a GPU; dynamic on a CPU, where host
-    synchronisation is free and fixed shapes only waste work."""
-    return "static" if torch.cuda.is_available() else "dynamic"
-
-
-def default_threads(tp: int) -> int:
-    """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // tp)
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    spec: Spec  # planned for the group's size (parallel.tp == world)
-    generated: str  # generated folder for that spec
-    checkpoint: str
-    mode: str
-    backend: str  # static path: "triton" | "torch"; the dynamic path always runs "eager"
-    kv_cache: str  # dense | latent | auto
-    num_blocks: int
-    cuda_graphs: bool = True
-    comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
-    overlap: bool = True  # ring all-gather overlapped with the up-projection ...
-    overlap_min_rows: int = 0  # ... in forwards of at least this many rows
-    path: str = "static"  # static | dynamic
-    threads: int | None = None  # intra-op threads of this rank; None leaves torch's setting
-    # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
-    # model compute-bound here, and bound activations to O(512 · hidden) per layer.
-    prefill_chunk: int = 512
-    # CPU ranks on one host all-reduce through shared memory (tensors up to 4 MB, decode
-    # sizes; larger ones through gloo).
-    shm_collectives: bool = True
-    # Dynamic path on a CPU: measure the fastest form of each weight's product at start-up
-    # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
-    tune_gemm: bool = True
+def return_freed_heap() -> None:
+    """Give the pages of freed host tensors back to the system. glibc keeps freed heap
+    memory mapped: the checkpoint's slices and their copies in the eager layout left a
+    cpu-demo rank at tp 1 (1.25 GB of weights) holding 2.6 GB of anonymous memory, 1.43 GB
+    after ``malloc_trim`` — eight engines of the cpu-target bench did not fit in 24 GB
+    before. Elsewhere than glibc, nothing to do."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass(frozen=True)
@@ -136,10 +109,13 @@ class ModelRunner:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        mode_plan = build_plan(self.spec, modes=(config.mode,)).modes[config.mode]
         self.registry = load_generated(config.generated).KERNELS
         self.comm = self._comm(rank, world)
+        layout = up_layout_for(config.up_layout, self.comm)
+        mode_plan = build_plan(self.spec, modes=(config.mode,), up_layout=layout).modes[config.mode]
+        self.up_layout = mode_plan.up_layout  # replicated wherever nothing is split
         self.model = self._model(mode_plan)
+        return_freed_heap()  # the checkpoint's slices and the eager layout's copies
         self.layer_plans = [mode_plan.layer_plan(r) for r in self.spec.decomposition.layers]
         self.kinds = [lp.cache_kind(config.kv_cache) for lp in self.layer_plans]
         rt, m = self.spec.runtime, self.spec.model
@@ -373,6 +349,10 @@ class ModelRunner:
         tensors = [*self.model.layers.buffers(), *self.model.final_norm.values()]
         tensors.append(self.model.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def plan_up_layout(self) -> str:
+        """How this rank holds deinfer's o/down up factors (``auto`` resolved)."""
+        return self.up_layout
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

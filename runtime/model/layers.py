@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl.plan import LayerPlan
+from dsl.sharding import COLS
 from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
@@ -157,12 +158,13 @@ class DeinferLayer(DecoderLayer):
     def column_group(
         self, group: str, names: tuple[str, ...], x: torch.Tensor, norm: str, batch: Batch
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        s, plan = self.s, self.s.plan
+        """The group's outputs by name, and the gathered latent [T, padded] (None when
+        no factor of the group is decomposed)."""
         outs: dict[str, torch.Tensor] = {}
-        gathered = None
-        cat = plan.concat(group)
+        latent = None
+        cat = self.s.plan.concat(group)
         if cat is not None:
-            key = (group, s.plan.shape_id)
+            key = (group, self.s.plan.shape_id)
             down = self.product_kernel("down_proj", key)
             z = down(
                 x,
@@ -171,40 +173,62 @@ class DeinferLayer(DecoderLayer):
                 self.w(f"{norm}.weight"),
                 self.w(f"{norm}.bias"),
             )
-            members = [n for n, _ in cat.members]
-            ups = tuple(self.w(f"{n}.u") for n in members)
-            accs = tuple(
-                torch.zeros((x.shape[0], u.shape[1]), dtype=torch.float32, device=x.device)
-                for u in ups
-            )
-            gathered = z.new_empty((s.comm.world, *z.shape))
-            module = s.kernels.module("latent_up", key)
-            module.latent_up(
-                s.comm, z, gathered, ups, accs, chunk_fn=self.product_kernel("latent_up", key)
-            )
-            outs.update({n: acc.to(x.dtype) for n, acc in zip(members, accs, strict=True)})
+            if self.s.backend == "eager" and not self.s.comm.rings(z):
+                latent = self.s.comm.all_gather_columns(z)
+                outs.update(self.whole_latent_up(cat, latent, batch))
+            else:
+                latent = self.latent_up_by_chunks(cat, key, z, outs)
         dense = [n for n in names if n not in outs]
         if dense:
             xn = self.norm(x, norm)
             outs.update({n: self.gemm(xn, self.w(f"{n}.weight"), batch.n_valid) for n in dense})
-        return {n: self.add_bias(outs[n], n) for n in names}, gathered
+        return {n: self.add_bias(outs[n], n) for n in names}, latent
+
+    def latent_up_by_chunks(self, cat, key, z: torch.Tensor, outs: dict) -> torch.Tensor:
+        """The generated kernel: each all-gather chunk multiplied as it arrives, split-K
+        into fp32 accumulators (the ring overlap; the static path's fixed shapes)."""
+        members = [n for n, _ in cat.members]
+        ups = tuple(self.w(f"{n}.u") for n in members)
+        accs = tuple(
+            torch.zeros((z.shape[0], u.shape[1]), dtype=torch.float32, device=z.device) for u in ups
+        )
+        gathered = z.new_empty((self.s.comm.world, *z.shape))
+        module = self.s.kernels.module("latent_up", key)
+        chunk_fn = self.product_kernel("latent_up", key)
+        module.latent_up(self.s.comm, z, gathered, ups, accs, chunk_fn=chunk_fn)
+        outs.update({n: acc.to(z.dtype) for n, acc in zip(members, accs, strict=True)})
+        return Comm.columns(gathered)
+
+    def whole_latent_up(self, cat, latent: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """Eager backend, latent gathered at once (shared memory, or no ring): one
+        product per up factor over its columns of the latent — the whole factor, which
+        the tuned products cover, instead of row slices of it per chunk."""
+        outs = {}
+        for name, rank in cat.members:
+            start = cat.member_offset(name)
+            outs[name] = self.gemm(
+                latent[:, start : start + rank], self.w(f"{name}.u"), batch.n_valid
+            )
+        return outs
 
     def row_group(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.w(f"{name}.v") is not None:
-            p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
-            self.s.comm.all_reduce(p)  # width r, not h
-            y = self.gemm(p, self.w(f"{name}.u"), batch.n_valid)
-        else:
+        if self.w(f"{name}.v") is None:
             y = self.s.comm.all_reduce(self.gemm(h, self.w(f"{name}.weight"), batch.n_valid))
-        return self.add_bias(y, name)
+            return self.add_bias(y, name)
+        p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
+        self.s.comm.all_reduce(p)  # width r, not h
+        y = self.add_bias(self.gemm(p, self.w(f"{name}.u"), batch.n_valid), name)
+        up = self.s.plan.factor(f"{name}.u")
+        if up.split != COLS:  # replicated: every rank already holds the whole output
+            return y
+        return self.s.comm.all_gather_columns(y)[:, : up.length]
 
     def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         out, gathered = self.column_group("attn", ("q", "k", "v"), x, "input_norm", batch)
         latent = None
         if gathered is not None and self.s.plan.kv_latent_per_rank is not None:
-            cat = self.s.plan.concat("attn")
-            start = cat.member_offset("k")
-            latent = Comm.columns(gathered)[:, start : start + self.s.plan.kv_latent_per_rank]
+            start = self.s.plan.concat("attn").member_offset("k")
+            latent = gathered[:, start : start + self.s.plan.kv_latent_per_rank]
         attn = self.attend(out["q"], out["k"], out["v"], latent, batch)
         return self.row_group("o", attn, batch)
 

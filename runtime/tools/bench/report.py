@@ -35,6 +35,14 @@ def _breakdown_cells(v: dict[str, Any]) -> str:
     )
 
 
+def _label(v: dict[str, Any]) -> str:
+    """The row's label, with the up layout an ``auto`` deinfer row resolved to."""
+    used = v.get("up_layout_used")
+    if v["mode"] != "deinfer" or v["tp"] == 1 or v.get("up_layout", "auto") != "auto" or not used:
+        return v["label"]
+    return f"{v['label']} (up={used})"
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     cfg = results["config"]
@@ -60,7 +68,7 @@ def markdown(results: dict[str, Any]) -> str:
         d = v["decode_tokens_per_s"]
         floor = v.get("fraction_of_floor")
         lines.append(
-            f"| {v['label']} | {v.get('threads_per_rank', '')} | "
+            f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
             f"{_x(v['decode_speedup_vs_base'])} | {_x(v.get('decode_speedup_vs_hf'))} | "
             f"{'' if floor is None else f'{floor:.0%}'} | "
@@ -71,7 +79,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
-        "(products D·U), same prompts and lengths, EOS ignored.",
+        "(products D·U), same prompts and lengths, EOS ignored. *up*: how deinfer held "
+        "the o/down up factors (replicated, the paper's layout, or sharded with an "
+        "all-gather of the output; `auto` picks sharded where the ranks share memory).",
     ]
     return "\n".join(lines) + "\n"
 

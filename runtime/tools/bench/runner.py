@@ -23,9 +23,10 @@ from typing import Any, Protocol
 import torch
 
 from dsl import Spec, build_plan, load_spec
+from dsl.plan import UP_REPLICATED
 from runtime.dist.emulated_link import LinkSpec
 from runtime.engine.llm import LLM
-from runtime.engine.model_runner import default_path, default_threads
+from runtime.engine.runner_config import default_path, default_threads
 from runtime.tools.bench.baseline import hf_throughput, memory_bandwidth
 from runtime.tools.bench.config import PRESETS, BenchConfig, preset
 from runtime.tools.bench.measure import breakdown_run, prompts_for, serving_run, throughput_run
@@ -43,10 +44,12 @@ class Variant:
     batch: int | None = None  # None: num_requests, max_batch at a time
     max_seq_len: int | None = None  # None: prompt + output
     link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
+    up_layout: str = "auto"  # deinfer's o/down up factors (RunnerConfig.up_layout)
 
     @property
     def label(self) -> str:
         kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
+        kv += "" if self.up_layout == "auto" else f" up={self.up_layout}"
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
@@ -57,7 +60,7 @@ class Variant:
     def engine(self) -> tuple:
         """Rows that differ only in batch or link share one engine (links are reshaped
         in place between rows)."""
-        return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len)
+        return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len, self.up_layout)
 
 
 def machine() -> dict[str, Any]:
@@ -98,8 +101,8 @@ def variant_spec(base: Spec, v: Variant, cfg: BenchConfig) -> Spec:
     )
 
 
-def planned_elements(spec, mode: str) -> dict[str, float]:
-    mp = build_plan(spec).modes[mode]
+def planned_elements(spec, mode: str, up_layout: str = UP_REPLICATED) -> dict[str, float]:
+    mp = build_plan(spec, up_layout=up_layout).modes[mode]
     out: dict[str, float] = {}
     for lp in mp.layer_plans:
         for c in lp.collectives:
@@ -111,7 +114,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     batches = cfg.batches or (None,)
     lengths = cfg.max_seq_lens or (None,)
     rows = [
-        Variant(m, kv, tp, r, b, n, link)
+        Variant(m, kv, tp, r, b, n, link, up)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
         for link in (cfg.links or (None,) if tp > 1 else (None,))
@@ -119,6 +122,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for m in cfg.modes
         for kv in cfg.kv_caches
         for b in batches
+        for up in (cfg.up_layouts if m == "deinfer" else ("auto",))
         if not (kv == "latent" and m != "deinfer")
     ]
     if cfg.hf:
@@ -203,6 +207,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         path=cfg.path,
         threads=cfg.threads,
         link=link if v.tp > 1 else None,
+        up_layout=v.up_layout,
     )
     return llm, spec
 
@@ -338,11 +343,14 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         # rank 0's tuned product forms (the ranks of a group choose alike when their
         # shards have the same shapes), {"KxN": {rows: form}}; none off the CPU path
         "gemm_forms": None if v.mode == "hf" else engine.workers.call("gemm_forms")[0],
+        # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
+        "up_layout_used": None if v.mode == "hf" else engine.workers.call("plan_up_layout")[0],
     }
     if v.mode != "hf" and cfg.breakdown:
         engine.workers.call("set_comm_stats", "timed")
         row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
-        row["planned_elements_per_token_per_block"] = planned_elements(spec, v.mode)
+        planned = planned_elements(spec, v.mode, row["up_layout_used"])
+        row["planned_elements_per_token_per_block"] = planned
     return row
 
 
