@@ -234,3 +234,33 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
     assert table.count("| ratio:0.2 |") == 3 and table.count("| 300mbit |") == 3
     assert link_plot(results, tmp_path).is_file()
     assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []
+
+
+def test_ratio_to_base_is_also_taken_within_each_repetition():
+    """A machine that slows down between repetitions moves every row alike: the ratio
+    within each repetition stays put where the ratio of medians would not."""
+    from runtime.tools.bench.runner import add_ratios
+
+    def row(mode: str, rates: list[float]) -> dict:
+        return {
+            "mode": mode,
+            "kv_cache": "dense",
+            "tp": 2,
+            "ratio": None,
+            "batch": None,
+            "max_seq_len": None,
+            "throughput": [{"decode_tokens_per_s": r, "output_tokens_per_s": r} for r in rates],
+        }
+
+    results = {
+        "config": {"num_requests": 8, "max_batch": 8},
+        "machine": {},
+        "variants": [row("base", [10.0, 20.0, 40.0]), row("deinfer", [11.0, 22.0, 44.0])],
+    }
+    add_ratios(results)
+    deinfer = results["variants"][1]
+    assert deinfer["decode_speedup_vs_base_per_rep"] == pytest.approx(
+        {"min": 1.1, "median": 1.1, "max": 1.1}
+    )
+    assert deinfer["decode_speedup_vs_base"] == pytest.approx(22.0 / 20.0)
+    assert results["variants"][0]["decode_speedup_vs_base_per_rep"]["max"] == 1.0

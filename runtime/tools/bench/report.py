@@ -35,6 +35,14 @@ def _breakdown_cells(v: dict[str, Any]) -> str:
     )
 
 
+def _vs_base(v: dict[str, Any]) -> str:
+    """The ratio of medians, and the range of the ratio within each repetition."""
+    paired = v.get("decode_speedup_vs_base_per_rep")
+    if not paired or v["mode"] == "base":
+        return _x(v["decode_speedup_vs_base"])
+    return f"{_x(v['decode_speedup_vs_base'])} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
 def _label(v: dict[str, Any]) -> str:
     """The row's label, with the up layout an ``auto`` deinfer row resolved to."""
     used = v.get("up_layout_used")
@@ -70,7 +78,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
-            f"{_x(v['decode_speedup_vs_base'])} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
             f"{'' if floor is None else f'{floor:.0%}'} | "
             f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
             f"{_breakdown_cells(v)} |"
@@ -79,9 +87,11 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
-        "(products D·U), same prompts and lengths, EOS ignored. *up*: how deinfer held "
-        "the o/down up factors (replicated, the paper's layout, or sharded with an "
-        "all-gather of the output; `auto` picks sharded where the ranks share memory).",
+        "(products D·U), same prompts and lengths, EOS ignored. *vs base*: ratio of the "
+        "medians (in brackets: the lowest and highest ratio within one repetition). "
+        "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "
+        "sharded with an all-gather of the output; `auto` picks sharded where the ranks "
+        "share memory).",
     ]
     return "\n".join(lines) + "\n"
 
