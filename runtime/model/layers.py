@@ -153,13 +153,20 @@ class DecoderLayer(nn.Module):
 
 class DeinferLayer(DecoderLayer):
     """Concat-split down factors, latent all-gather overlapped with the up GEMM, local
-    heads only, row-parallel o/down down-factors with an all-reduce of width r."""
+    heads only, row-parallel o/down down-factors with an all-reduce of width r, then the
+    o/down up factors replicated or split by columns (``ModePlan.up_layout``)."""
 
     def column_group(
-        self, group: str, names: tuple[str, ...], x: torch.Tensor, norm: str, batch: Batch
+        self,
+        group: str,
+        names: tuple[str, ...],
+        x: torch.Tensor,
+        norm: str,
+        batch: Batch,
+        keep_latent: bool = False,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """The group's outputs by name, and the gathered latent [T, padded] (None when
-        no factor of the group is decomposed)."""
+        """The group's outputs by name, and (``keep_latent``) the gathered latent
+        [T, padded]; None where no factor of the group is decomposed."""
         outs: dict[str, torch.Tensor] = {}
         latent = None
         cat = self.s.plan.concat(group)
@@ -175,18 +182,20 @@ class DeinferLayer(DecoderLayer):
             )
             if self.s.backend == "eager" and not self.s.comm.rings(z):
                 latent = self.s.comm.all_gather_columns(z)
-                outs.update(self.whole_latent_up(cat, latent, batch))
+                outs = self.whole_latent_up(cat, latent, batch)
             else:
-                latent = self.latent_up_by_chunks(cat, key, z, outs)
+                outs, gathered = self.latent_up_by_chunks(cat, key, z)
+                latent = Comm.columns(gathered) if keep_latent else None
         dense = [n for n in names if n not in outs]
         if dense:
             xn = self.norm(x, norm)
             outs.update({n: self.gemm(xn, self.w(f"{n}.weight"), batch.n_valid) for n in dense})
         return {n: self.add_bias(outs[n], n) for n in names}, latent
 
-    def latent_up_by_chunks(self, cat, key, z: torch.Tensor, outs: dict) -> torch.Tensor:
+    def latent_up_by_chunks(self, cat, key, z: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """The generated kernel: each all-gather chunk multiplied as it arrives, split-K
-        into fp32 accumulators (the ring overlap; the static path's fixed shapes)."""
+        into fp32 accumulators (the ring overlap; the static path's fixed shapes).
+        Returns the outputs by name and the gathered chunks [world, T, width]."""
         members = [n for n, _ in cat.members]
         ups = tuple(self.w(f"{n}.u") for n in members)
         accs = tuple(
@@ -196,8 +205,7 @@ class DeinferLayer(DecoderLayer):
         module = self.s.kernels.module("latent_up", key)
         chunk_fn = self.product_kernel("latent_up", key)
         module.latent_up(self.s.comm, z, gathered, ups, accs, chunk_fn=chunk_fn)
-        outs.update({n: acc.to(z.dtype) for n, acc in zip(members, accs, strict=True)})
-        return Comm.columns(gathered)
+        return {n: acc.to(z.dtype) for n, acc in zip(members, accs, strict=True)}, gathered
 
     def whole_latent_up(self, cat, latent: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """Eager backend, latent gathered at once (shared memory, or no ring): one
@@ -224,11 +232,13 @@ class DeinferLayer(DecoderLayer):
         return self.s.comm.all_gather_columns(y)[:, : up.length]
 
     def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        out, gathered = self.column_group("attn", ("q", "k", "v"), x, "input_norm", batch)
+        width = self.s.plan.kv_latent_per_rank  # None: this layer caches dense K, V
+        qkv = ("q", "k", "v")
+        out, gathered = self.column_group("attn", qkv, x, "input_norm", batch, width is not None)
         latent = None
-        if gathered is not None and self.s.plan.kv_latent_per_rank is not None:
+        if gathered is not None and width is not None:
             start = self.s.plan.concat("attn").member_offset("k")
-            latent = gathered[:, start : start + self.s.plan.kv_latent_per_rank]
+            latent = gathered[:, start : start + width]
         attn = self.attend(out["q"], out["k"], out["v"], latent, batch)
         return self.row_group("o", attn, batch)
 
