@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsl.sharding import (
+    COLS,
     ConcatSplit,
     FactorShard,
 )
@@ -89,6 +90,17 @@ class LayerPlan:
             if f.tensor == tensor:
                 return f
         raise KeyError(tensor)
+
+    def split_row_ups(self) -> tuple[FactorShard, ...]:
+        """deinfer's o/down up factors split by output columns (``UP_SHARDED``): each
+        rank computes its columns and an all-gather assembles the output. Empty when
+        they are replicated (the column groups' up factors run on the gathered latent)."""
+        in_concats = {n for c in self.concats for n, _ in c.members}
+        return tuple(
+            f
+            for f in self.factors
+            if f.factor == "up" and f.split == COLS and f.matrix not in in_concats
+        )
 
     def concat(self, name: str) -> ConcatSplit | None:
         return next((c for c in self.concats if c.name == name), None)

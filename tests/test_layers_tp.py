@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from dsl.plan import UP_REPLICATED, UP_SHARDED
+from dsl.plan import UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.kernels.reference import apply_norm, rope_inplace
 from runtime.model.rope import inv_freq
 from tests.conftest import TP_EXAMPLES
 from tests.strategies import spec_dicts
-from tests.tp_workers import run_layers
+from tests.tp_workers import run_layers, run_parts
 
 # fp32 throughout; the sharded sums run in another order than the reference's.
 TOL = 2e-4
@@ -157,7 +157,7 @@ def test_sharded_layers_equal_unsharded_reference(groups, tmp_path_factory, raw,
     want = _reference(spec, layers, x, positions)
     per_rank = groups(tp).run(run_layers, text, str(folder), layers, x, positions, RUNS)
     for run in RUNS:
-        mode, layout = run[0], (*run, UP_REPLICATED)[2]
+        mode, _, layout = run_parts(run)
         plan = build_plan(spec, up_layout=layout)
         outs = [r[run] for r in per_rank]
         for rank, (h, elements, captured) in enumerate(outs):

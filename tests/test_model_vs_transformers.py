@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from dsl.plan import UP_REPLICATED, UP_SHARDED
+from dsl.plan import UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.tools.decompose import model_section
 from tests.conftest import TP_EXAMPLES
 from tests.hf_models import FAMILIES, build_hf, decompose_with_cli, hf_configs, load_products
 from tests.strategies import matrix_limits
-from tests.tp_workers import run_model
+from tests.tp_workers import run_model, run_parts
 
 # fp32 everywhere; the sharded sums and the SVD products reorder additions.
 TOL = 1e-4
@@ -111,7 +111,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
     for run in RUNS[1:]:
         assert (per_rank[0][run][0] - first).abs().max().item() <= 2 * TOL * scale, run
     for run in RUNS:
-        mode, layout = run[0], (*run, UP_REPLICATED)[2]
+        mode, _, layout = run_parts(run)
         plan = build_plan(spec, up_layout=layout)
         logits, elements = per_rank[0][run]
         err = (logits - want).abs().max().item()

@@ -33,6 +33,12 @@ def causal_attention(captured: list):
     return attention
 
 
+def run_parts(run: tuple[str, ...]) -> tuple[str, str, str]:
+    """(mode, backend[, up layout]) -> (mode, backend, up layout), replicated by default."""
+    mode, backend, layout = (*run, UP_REPLICATED)[:3]
+    return mode, backend, layout
+
+
 def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
     """Run every layer of the spec on this rank for each (mode, backend[, up layout]) in
     ``runs``; returns {run: (hidden, comm elements by kind, captured latents)}."""
@@ -45,7 +51,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
     )
     results = {}
     for run in runs:
-        mode, backend, layout = (*run, UP_REPLICATED)[:3]
+        mode, backend, layout = run_parts(run)
         plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         captured: list = []
@@ -121,7 +127,7 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         cu.append(cu[-1] + len(p))
     results = {}
     for run in runs:
-        mode, backend, layout = (*run, UP_REPLICATED)[:3]
+        mode, backend, layout = run_parts(run)
         plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dsl.errors import UserError
-from dsl.plan import MODES
+from dsl.plan import MODES, UP_SHARDED
 
 
 def add_predict(sub: argparse._SubParsersAction) -> None:
@@ -124,7 +124,7 @@ def _prediction(spec, tp: int | None, dev, batches: list[int], context: int) -> 
 
     plan = build_plan(spec, tp=tp)
     out = {"spec": spec.name, "tp": plan.tp, "device": asdict(dev), "context": context, "rows": []}
-    sharded = build_plan(spec, tp=tp, modes=("deinfer",), up_layout="sharded").modes["deinfer"]
+    sharded = build_plan(spec, tp=tp, modes=("deinfer",), up_layout=UP_SHARDED).modes["deinfer"]
     layouts = {"deinfer up=sharded": sharded} if plan.tp > 1 else {}
     for mode, mp in [*((m, plan.modes[m]) for m in MODES), *layouts.items()]:
         for batch in batches:

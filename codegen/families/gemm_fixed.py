@@ -7,7 +7,6 @@ from codegen.families.context import GenContext
 from codegen.render import KernelFile
 from dsl import build_plan
 from dsl.plan import MODES, UP_SHARDED
-from dsl.sharding import COLS
 
 FILE_NAME = "gemm_fixed.py"
 
@@ -19,12 +18,10 @@ def gemm_shapes(ctx: GenContext) -> dict[tuple[int, int], list[str]]:
     # deinfer's other layout of the o/down up factors (split by columns) has GEMMs of its
     # own: the runtime may choose it (``RunnerConfig.up_layout``).
     sharded = build_plan(ctx.spec, ctx.tp, ("deinfer",), UP_SHARDED).modes["deinfer"]
-    for lp in sharded.layer_plans if ctx.tp > 1 else ():
-        latent_up = {n for c in lp.concats for n, _ in c.members}
-        for f in lp.factors:
-            if f.factor == "up" and f.split == COLS and f.matrix not in latent_up:
-                k, n = f.local_shape(0)
-                uses.setdefault((k, n), []).append(f"deinfer/sharded {lp.shape_id} {f.tensor}")
+    for lp in sharded.layer_plans:
+        for f in lp.split_row_ups():
+            k, n = f.local_shape(0)
+            uses.setdefault((k, n), []).append(f"deinfer/sharded {lp.shape_id} {f.tensor}")
     for mode in MODES:
         for lp in ctx.layer_plans(mode):
             # In deinfer mode the up factors of a concat group run in the latent_up kernel.

@@ -123,10 +123,9 @@ class Comm:
         start = self._start()
         world, rank = self.world, self.rank
         chunks[rank].copy_(local)
-        shared = self._shared(local)
-        if not self.rings(local) and world > 1:
+        if world > 1 and not self.rings(local):
             # Through shared memory the gather costs a copy: nothing worth overlapping.
-            if shared:
+            if self._shared(local):
                 self.shm.all_gather(local, chunks)
             else:
                 flat = chunks.view(-1, *local.shape[1:])

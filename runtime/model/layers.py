@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl.plan import LayerPlan
-from dsl.sharding import COLS
 from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
@@ -156,6 +155,12 @@ class DeinferLayer(DecoderLayer):
     heads only, row-parallel o/down down-factors with an all-reduce of width r, then the
     o/down up factors replicated or split by columns (``ModePlan.up_layout``)."""
 
+    def __init__(self, setup: LayerSetup, index: int, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(setup, index, weights)
+        # Row groups whose up factor is split by columns, and the real width their
+        # all-gathered output is cut back to: fixed by the plan, looked up once.
+        self.gathered_widths = {f.matrix: f.length for f in setup.plan.split_row_ups()}
+
     def column_group(
         self,
         group: str,
@@ -226,10 +231,10 @@ class DeinferLayer(DecoderLayer):
         p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
         self.s.comm.all_reduce(p)  # width r, not h
         y = self.add_bias(self.gemm(p, self.w(f"{name}.u"), batch.n_valid), name)
-        up = self.s.plan.factor(f"{name}.u")
-        if up.split != COLS:  # replicated: every rank already holds the whole output
+        width = self.gathered_widths.get(name)
+        if width is None:  # replicated: every rank already holds the whole output
             return y
-        return self.s.comm.all_gather_columns(y)[:, : up.length]
+        return self.s.comm.all_gather_columns(y)[:, :width]
 
     def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         width = self.s.plan.kv_latent_per_rank  # None: this layer caches dense K, V
