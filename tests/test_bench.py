@@ -239,7 +239,7 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
 def test_ratio_to_base_is_also_taken_within_each_repetition():
     """A machine that slows down between repetitions moves every row alike: the ratio
     within each repetition stays put where the ratio of medians would not."""
-    from runtime.tools.bench.runner import add_ratios
+    from runtime.tools.bench.ratios import add_ratios
 
     def row(mode: str, rates: list[float]) -> dict:
         return {
@@ -264,3 +264,43 @@ def test_ratio_to_base_is_also_taken_within_each_repetition():
     )
     assert deinfer["decode_speedup_vs_base"] == pytest.approx(22.0 / 20.0)
     assert results["variants"][0]["decode_speedup_vs_base_per_rep"]["max"] == 1.0
+
+
+def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
+    """Issue 10's latent aim is a step-time ratio: dense tok/s over latent tok/s of the
+    same configuration, also within each repetition, and shown in the report."""
+    from runtime.tools.bench.ratios import add_ratios
+    from runtime.tools.bench.report import markdown
+
+    def row(kv: str, ratio: float, rates: list[float]) -> dict:
+        return {
+            "mode": "deinfer",
+            "kv_cache": kv,
+            "tp": 1,
+            "ratio": ratio,
+            "batch": 8,
+            "max_seq_len": None,
+            "up_layout": "auto",
+            "label": f"deinfer kv={kv} tp1 r{ratio:g} b8",
+            "throughput": [{"decode_tokens_per_s": r, "output_tokens_per_s": r} for r in rates],
+        }
+
+    results = {
+        "config": {"num_requests": 8, "max_batch": 8, "spec": "s", "prompt_len": 1},
+        "machine": {"cpu": "c", "cores": 2, "gpu": None, "torch": "t", "triton": "t"},
+        "variants": [
+            row("dense", 0.0, [100.0, 50.0, 90.0]),
+            row("latent", 0.0, [80.0, 40.0, 60.0]),
+            row("dense", 0.4, [120.0, 120.0, 120.0]),
+        ],
+    }
+    results["config"] |= {"output_len": 1, "reps": 3}
+    add_ratios(results)
+    dense, latent, other = results["variants"]
+    assert latent["step_vs_dense_kv"] == pytest.approx(90.0 / 60.0)
+    assert latent["step_vs_dense_kv_per_rep"] == pytest.approx(
+        {"min": 1.25, "median": 1.25, "max": 1.5}
+    )
+    assert "step_vs_dense_kv" not in dense and "step_vs_dense_kv" not in other
+    table = markdown(results)
+    assert "step vs kv=dense" in table and "1.50x (1.25–1.50)" in table

@@ -43,12 +43,41 @@ def _vs_base(v: dict[str, Any]) -> str:
     return f"{_x(v['decode_speedup_vs_base'])} ({paired['min']:.2f}–{paired['max']:.2f})"
 
 
+def _vs_dense_kv(v: dict[str, Any]) -> str:
+    """A latent-KV row's decode step over the dense-KV row's (and the range within one
+    repetition)."""
+    if "step_vs_dense_kv" not in v:
+        return ""
+    paired = v["step_vs_dense_kv_per_rep"]
+    return f"{_x(v['step_vs_dense_kv'])} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
 def _label(v: dict[str, Any]) -> str:
     """The row's label, with the up layout an ``auto`` deinfer row resolved to."""
     used = v.get("up_layout_used")
     if v["mode"] != "deinfer" or v["tp"] == 1 or v.get("up_layout", "auto") != "auto" or not used:
         return v["label"]
     return f"{v['label']} (up={used})"
+
+
+def _header(latent: bool) -> list[str]:
+    """The table's header rows; a latent-vs-dense column only where a latent row has one."""
+    columns = [
+        "config",
+        "threads/rank",
+        "decode tok/s (min / median / max)",
+        "vs base",
+        "vs hf",
+        *(["step vs kv=dense"] if latent else []),
+        "of floor",
+        "output tok/s",
+        "TTFT ms (median)",
+        "ITL ms (median / p99)",
+        "block comm ms",
+        "block rest ms",
+        "elements/token/block (measured = plan)",
+    ]
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -67,11 +96,9 @@ def markdown(results: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| config | threads/rank | decode tok/s (min / median / max) | vs base | vs hf | "
-        "of floor | output tok/s | TTFT ms (median) | ITL ms (median / p99) | block comm ms | "
-        "block rest ms | elements/token/block (measured = plan) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    latent = any("step_vs_dense_kv" in v for v in results["variants"])
+    lines += _header(latent)
     for v in results["variants"]:
         d = v["decode_tokens_per_s"]
         floor = v.get("fraction_of_floor")
@@ -79,7 +106,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
             f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
-            f"{'' if floor is None else f'{floor:.0%}'} | "
+            + (f"{_vs_dense_kv(v)} | " if latent else "")
+            + f"{'' if floor is None else f'{floor:.0%}'} | "
             f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
             f"{_breakdown_cells(v)} |"
         )
@@ -89,7 +117,13 @@ def markdown(results: dict[str, Any]) -> str:
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
         "(products D·U), same prompts and lengths, EOS ignored. *vs base*: ratio of the "
         "medians (in brackets: the lowest and highest ratio within one repetition). "
-        "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "
+        + (
+            "*step vs kv=dense*: a latent-KV row's decode step time over the same engine's "
+            "with a dense KV cache (in brackets: within one repetition). "
+            if latent
+            else ""
+        )
+        + "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "
         "sharded with an all-gather of the output; `auto` picks sharded where the ranks "
         "share memory).",
     ]

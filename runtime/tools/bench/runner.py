@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +29,7 @@ from runtime.engine.runner_config import default_path, default_threads
 from runtime.tools.bench.baseline import hf_throughput, memory_bandwidth
 from runtime.tools.bench.config import PRESETS, BenchConfig, preset
 from runtime.tools.bench.measure import breakdown_run, prompts_for, serving_run, throughput_run
+from runtime.tools.bench.ratios import add_ratios
 from runtime.tools.random_checkpoint import write_random_checkpoint
 
 __all__ = ["PRESETS", "BenchConfig", "preset", "run_bench"]
@@ -352,47 +352,3 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         planned = planned_elements(spec, v.mode, row["up_layout_used"])
         row["planned_elements_per_token_per_block"] = planned
     return row
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def _rates(var: dict[str, Any]) -> list[float]:
-    return [r["decode_tokens_per_s"] for r in var["throughput"]]
-
-
-def add_ratios(results: dict[str, Any]) -> None:
-    """min/median/max over repetitions; each median's ratio to base (same tp, ratio,
-    batch, length and link), to transformers (same ratio and batch) and to the weight-streaming
-    floor: batch / (tp · streamed bytes per rank / memory bandwidth), since the ranks
-    share the memory bus."""
-    cfg = results["config"]
-    bandwidth = results["machine"].get("memory_bandwidth_bytes_per_s")
-    medians: dict[tuple, float] = {}
-    per_rep: dict[tuple, list[float]] = {}
-    for var in results["variants"]:
-        rates = _rates(var)
-        var["decode_tokens_per_s"] = _spread(rates)
-        var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
-        key = (var["mode"], var["kv_cache"], var["tp"], var["ratio"], var["batch"])
-        key = (*key, var["max_seq_len"], var.get("link"))
-        medians[key], per_rep[key] = var["decode_tokens_per_s"]["median"], rates
-    for var in results["variants"]:
-        median = var["decode_tokens_per_s"]["median"]
-        at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
-        base = medians.get(("base", "dense", *at))
-        hf = medians.get(("hf", "-", 1, var["ratio"], var["batch"], None, None))
-        var["decode_speedup_vs_base"] = median / base if base else None
-        # The same ratio within each repetition (rows of one repetition run minutes apart
-        # at most, so the machine's drift between repetitions cancels): min/median/max.
-        if base:
-            pairs = zip(_rates(var), per_rep[("base", "dense", *at)], strict=True)
-            var["decode_speedup_vs_base_per_rep"] = _spread([a / b for a, b in pairs])
-        var["decode_speedup_vs_hf"] = median / hf if hf else None
-        batch = var["batch"] or min(cfg["num_requests"], cfg["max_batch"])
-        streamed = var.get("streamed_weight_bytes_per_rank")
-        if bandwidth and streamed:
-            floor_step = var["tp"] * streamed / bandwidth
-            var["floor_decode_tokens_per_s"] = batch / floor_step
-            var["fraction_of_floor"] = median / var["floor_decode_tokens_per_s"]

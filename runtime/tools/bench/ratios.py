@@ -1,0 +1,77 @@
+"""The bench's comparisons between rows: each row's spread over repetitions, its ratio to
+base, to transformers and to the weight-streaming floor, and a latent-KV row's step
+time against the same engine with a dense KV cache."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _rates(var: dict[str, Any]) -> list[float]:
+    return [r["decode_tokens_per_s"] for r in var["throughput"]]
+
+
+def _key(var: dict[str, Any], mode: str, kv_cache: str, up_layout: str = "auto") -> tuple:
+    """The row ``var`` would be with another mode, KV cache or up layout (same tp,
+    ratio, batch, length and link)."""
+    at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
+    return (mode, kv_cache, *at, up_layout)
+
+
+def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
+    """The ratio within each repetition (rows of one repetition run minutes apart at
+    most, so the machine's drift between repetitions cancels): min/median/max."""
+    return _spread([a / b for a, b in zip(rates, reference, strict=True)])
+
+
+def add_ratios(results: dict[str, Any]) -> None:
+    """min/median/max over repetitions; each median's ratio to base (same tp, ratio,
+    batch, length and link), to transformers (same ratio and batch) and to the
+    weight-streaming floor: batch / (tp · streamed bytes per rank / memory bandwidth),
+    since the ranks share the memory bus. A latent-KV row also gets its decode step
+    time over the dense-KV row's of the same engine configuration."""
+    rates: dict[tuple, list[float]] = {}
+    for var in results["variants"]:
+        var["decode_tokens_per_s"] = _spread(_rates(var))
+        var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
+        rates[_key(var, var["mode"], var["kv_cache"], var.get("up_layout", "auto"))] = _rates(var)
+    for var in results["variants"]:
+        _against_base_and_hf(var, rates)
+        _latent_against_dense(var, rates)
+        _against_floor(var, results)
+
+
+def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
+    median = var["decode_tokens_per_s"]["median"]
+    base = rates.get(_key(var, "base", "dense"))
+    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto"))
+    var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
+    if base:
+        var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
+    var["decode_speedup_vs_hf"] = median / statistics.median(hf) if hf else None
+
+
+def _latent_against_dense(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
+    """Step time ratio = dense tok/s over latent tok/s (same batch, so same tokens per
+    step): what a latent cache costs per decode step."""
+    dense = rates.get(_key(var, var["mode"], "dense", var.get("up_layout", "auto")))
+    if var["kv_cache"] != "latent" or not dense:
+        return
+    var["step_vs_dense_kv"] = statistics.median(dense) / var["decode_tokens_per_s"]["median"]
+    var["step_vs_dense_kv_per_rep"] = _paired(dense, _rates(var))
+
+
+def _against_floor(var: dict[str, Any], results: dict[str, Any]) -> None:
+    cfg = results["config"]
+    bandwidth = results["machine"].get("memory_bandwidth_bytes_per_s")
+    batch = var["batch"] or min(cfg["num_requests"], cfg["max_batch"])
+    streamed = var.get("streamed_weight_bytes_per_rank")
+    if bandwidth and streamed:
+        floor_step = var["tp"] * streamed / bandwidth
+        var["floor_decode_tokens_per_s"] = batch / floor_step
+        var["fraction_of_floor"] = var["decode_tokens_per_s"]["median"] * floor_step / batch
