@@ -89,7 +89,7 @@ class LatentFactors:
     u_v_heads: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        heads = self.u_v.view(-1, self.kv_heads, self.head_dim).permute(1, 0, 2)
+        heads = self.u_v.reshape(-1, self.kv_heads, self.head_dim).permute(1, 0, 2)
         object.__setattr__(self, "u_k_rows", self.u_k.t().contiguous())
         object.__setattr__(self, "u_v_heads", heads.contiguous())
 
