@@ -152,7 +152,9 @@ class ModelRunner:
             config.checkpoint, spec, mode_plan, self.rank, DTYPES[spec.runtime.dtype]
         )
         backend = config.backend if config.path == "static" else "eager"
-        model = TPModel(spec, mode_plan, self.rank, self.comm, self.registry, backend, weights)
+        model = TPModel(
+            spec, mode_plan, self.rank, self.comm, self.registry, backend, weights, config.kv_cache
+        )
         model = model.to(self.device)
         if config.path == "dynamic":
             model.prepare_eager()

@@ -61,6 +61,9 @@ class LayerSetup:
     inv_freq: torch.Tensor | None  # None for learned positions
     # The eager backend's matrix products: the runner's tuned ``CpuGemm`` once measured.
     gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = eager.matmul
+    # Whether this layer's KV cache is latent (``LayerPlan.cache_kind``): only then does
+    # attention get the gathered latent's k/v columns.
+    latent_cache: bool = True
 
 
 class DecoderLayer(nn.Module):
@@ -237,7 +240,8 @@ class DeinferLayer(DecoderLayer):
         return self.s.comm.all_gather_columns(y)[:, :width]
 
     def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        width = self.s.plan.kv_latent_per_rank  # None: this layer caches dense K, V
+        # None where this layer's cache holds dense K and V
+        width = self.s.plan.kv_latent_per_rank if self.s.latent_cache else None
         qkv = ("q", "k", "v")
         out, gathered = self.column_group("attn", qkv, x, "input_norm", batch, width is not None)
         latent = None

@@ -31,7 +31,10 @@ class TPModel(nn.Module):
         kernels: KernelRegistry,
         backend: str,
         weights: ModelWeights,
+        kv_cache: str = "latent",
     ) -> None:
+        """``kv_cache``: the cache the runner asked for (dense | latent | auto); layers
+        whose cache it makes latent hand attention the latent."""
         super().__init__()
         self.spec, self.comm, self.rank = spec, comm, rank
         self.backend = backend
@@ -54,6 +57,7 @@ class TPModel(nn.Module):
                 kernels=kernels,
                 backend=backend,
                 inv_freq=freqs,
+                latent_cache=lp.cache_kind(kv_cache) == "latent",
             )
             layers.append(layer_class(setup, index, weights.layers[index]))
         self.layers = nn.ModuleList(layers)
