@@ -142,6 +142,22 @@ def rope_tables(
     return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
 
 
+def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """e^(i·position·frequency) [T, head_dim / 2], complex64: RoPE as one complex product
+    over a tensor whose rotation pairs are adjacent (``rope_pair_order``)."""
+    cos, sin = reference.rope_cos_sin(positions, inv_freq)
+    return torch.complex(cos, sin)
+
+
+def rope_pair_order(head_dim: int, style: str) -> torch.Tensor:
+    """The order of head_dim that puts each RoPE pair side by side: neox rotates i with
+    i + head_dim/2, gptj 2i with 2i+1 (already adjacent)."""
+    if style != "neox":
+        return torch.arange(head_dim)
+    half = torch.arange(head_dim // 2)
+    return torch.stack([half, half + head_dim // 2], -1).flatten()
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """RoPE of x [..., head_dim] with tables from ``rope_tables`` broadcast to it, in fp32
     (four ops: the pairs of a rotation are swapped by a roll or a flip)."""
