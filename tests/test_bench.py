@@ -304,3 +304,78 @@ def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
     assert "step_vs_dense_kv" not in dense and "step_vs_dense_kv" not in other
     table = markdown(results)
     assert "step vs kv=dense" in table and "1.50x (1.25–1.50)" in table
+
+
+def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_path, monkeypatch):
+    """Engines in lockstep alternate steps (never more than one step apart); each one's
+    rates come from its own steps, and the greedy tokens are what it makes alone."""
+    from runtime.engine.llm import LLM
+    from runtime.engine.sequence import SamplingParams
+    from runtime.tools.bench.measure import lockstep_runs, prompts_for
+    from runtime.tools.random_checkpoint import write_random_checkpoint
+
+    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(1)
+    write_random_checkpoint(spec, tmp_path / "ck", 0)
+    engines = [
+        LLM(spec, tmp_path / "ck", mode="deinfer", kv_cache=kv) for kv in ("dense", "latent")
+    ]
+    cfg = BenchConfig(spec="unused", prompt_len=5, output_len=6, lockstep=True)
+    prompts = prompts_for(cfg, 3, spec.model.vocab_size, cfg.seed)
+    alone = [e.generate(prompts, SamplingParams(max_tokens=6)) for e in engines]
+    steps, finished, original = [], [], LLM.step
+
+    def recording_step(self):
+        steps.append(engines.index(self))
+        events = original(self)
+        finished.extend((engines.index(self), s.id, list(s.output)) for s, _, _ in events)
+        return events
+
+    monkeypatch.setattr(LLM, "step", recording_step)
+    runs = lockstep_runs(engines, cfg, spec.model.vocab_size, batch=3)
+    assert steps.count(0) == steps.count(1) == 6  # one prefill, five decode steps each
+    for n in range(len(steps)):
+        assert abs(steps[:n].count(0) - steps[:n].count(1)) <= 1, steps
+    for run in runs:
+        assert set(run) == {
+            "seconds",
+            "requests_per_s",
+            "output_tokens_per_s",
+            "total_tokens_per_s",
+            "decode_tokens_per_s",
+        }
+        assert run["decode_tokens_per_s"] > 0 and run["output_tokens_per_s"] > 0
+    for i, outs in enumerate(alone):
+        last = {sid: tokens for e, sid, tokens in finished if e == i}
+        assert sorted(last.values()) == sorted(o.token_ids for o in outs)
+    for e in engines:
+        e.close()
+
+
+def test_lockstep_bench_rows_and_its_limits():
+    cfg = BenchConfig(
+        spec=str(SPECS / "tiny-llama.yaml"),
+        modes=("deinfer",),
+        kv_caches=("dense", "latent"),
+        tps=(1,),
+        batches=(2,),
+        prompt_len=4,
+        output_len=4,
+        hf=True,
+        threads=1,
+        serving=False,
+        breakdown=False,
+        reps=2,
+        lockstep=True,
+    )
+    results = run_bench(cfg)
+    rows = {v["label"]: v for v in results["variants"]}
+    assert set(rows) == {"deinfer kv=dense tp1 b2", "deinfer kv=latent tp1 b2", "hf tp1 b2"}
+    assert all(len(v["throughput"]) == 2 for v in rows.values())
+    latent = rows["deinfer kv=latent tp1 b2"]
+    dense = rows["deinfer kv=dense tp1 b2"]["decode_tokens_per_s"]["median"]
+    assert latent["step_vs_dense_kv"] == pytest.approx(
+        dense / latent["decode_tokens_per_s"]["median"]
+    )
+    assert "decode steps taken in turn" in markdown(results)
+    with pytest.raises(ValueError, match="--lockstep cannot be combined with --link"):
+        BenchConfig(spec="s", links=("100mbit",), lockstep=True)

@@ -43,6 +43,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="one all-gather instead of the ring overlapped with the up GEMM",
     )
     p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="run the engine rows of each batch in lockstep: a decode step of each in turn, "
+        "each timed over its own (transformers rows run alone; not with --link)",
+    )
+    p.add_argument(
         "--up-layouts",
         default=None,
         help="deinfer rows: o/down up-factor layouts, e.g. auto,replicated,sharded",
@@ -56,6 +62,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         "200mbit, or ratio:X for the rate at which Base's comm/compute per block is X "
         "(by the cost model, after calibrating this machine); needs root and iproute2",
     )
+    _add_serve_options(p)
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--serve",
         default=None,
@@ -70,9 +83,6 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=None, help="--serve: prompt tokens")
     p.add_argument("--output-len", type=int, default=None, help="--serve: output tokens")
     p.add_argument("--dataset", default=None, help="--serve: JSONL of {prompt, max_tokens}")
-    p.add_argument("--out", type=Path, default=Path("bench-results"))
-    p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=run)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -145,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "hf": True if args.hf else None,
         "links": tuple(args.link) if args.link else None,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
+        "lockstep": True if args.lockstep else None,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dsl.errors import UserError
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -39,6 +41,17 @@ class BenchConfig:
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
     up_layouts: tuple[str, ...] = ("auto",)
+    # Throughput runs of the engine rows of one batch take their steps in turn, each
+    # engine timed over its own (``measure.lockstep_runs``); transformers rows run alone.
+    # Not with links: rows that differ only in their link share one engine.
+    lockstep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lockstep and self.links:
+            raise UserError(
+                "bench: --lockstep cannot be combined with --link "
+                "(rows that differ only in their link share one engine)"
+            )
 
 
 # The paper's settings (§5.2, §5.3) scaled to a 2-core CPU: batch 512 / 32 prompt / max
@@ -92,6 +105,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Latent vs dense KV cache at context 256, batch 8 (deinfer mode, tp 1), at full rank
     # and at the paper's 40%. 5 repetitions: with 3, single rows spread by ±15% on this VM.
+    # In lockstep: the latent row's step over the dense row's, one step apart, is what
+    # this preset is for.
     "cpu-latent": {
         "spec": "specs/cpu-135m.yaml",
         "modes": ("deinfer",),
@@ -102,6 +117,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prompt_len": 240,
         "output_len": 32,
         "reps": 5,
+        "lockstep": True,
         "serving": False,
         "breakdown": False,
     },

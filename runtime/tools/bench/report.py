@@ -88,7 +88,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
         f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['prompt_len']} prompt + "
         f"{cfg['output_len']} output tokens per request, {cfg['reps']} interleaved repetitions "
-        "after a warm-up."
+        "after a warm-up"
+        + (
+            " (in each, the engines' decode steps taken in turn, each engine timed over its own)."
+            if cfg.get("lockstep")
+            else "."
+        )
         + (
             f" Memory bandwidth measured by the bench: {bandwidth / 1e9:.1f} GB/s "
             f"({m['bandwidth_threads']} threads)."

@@ -28,7 +28,13 @@ from runtime.engine.llm import LLM
 from runtime.engine.runner_config import default_path, default_threads
 from runtime.tools.bench.baseline import hf_throughput, memory_bandwidth
 from runtime.tools.bench.config import PRESETS, BenchConfig, preset
-from runtime.tools.bench.measure import breakdown_run, prompts_for, serving_run, throughput_run
+from runtime.tools.bench.measure import (
+    breakdown_run,
+    lockstep_runs,
+    prompts_for,
+    serving_run,
+    throughput_run,
+)
 from runtime.tools.bench.ratios import add_ratios
 from runtime.tools.random_checkpoint import write_random_checkpoint
 
@@ -285,12 +291,41 @@ class _Session:
             _measure(replace(v, batch=1), self.engine(v), short, self.vocab)
         raw: dict[Variant, list[dict[str, Any]]] = {v: [] for v in self.variants}
         for rep in range(self.cfg.reps):
+            if self.cfg.lockstep:
+                self._lockstep(rep, raw)
+                continue
             for v in self.variants:
                 self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
                 raw[v].append(_measure(v, self.engine(v), self.cfg, self.vocab))
                 if self.planner and v.link:
                     self.planner.probe(self.engines[v.engine], v)
         return raw
+
+    def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
+        """One repetition: the engine rows of each batch in lockstep, then transformers'
+        rows alone; serving runs (if any) after, one row at a time."""
+        by_batch: dict[int | None, list[Variant]] = {}
+        for v in self.variants:
+            if v.mode == "hf":
+                self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
+                raw[v].append(_measure(v, self.engines[v.engine], self.cfg, self.vocab))
+            else:
+                by_batch.setdefault(v.batch, []).append(v)
+        for batch, rows in by_batch.items():
+            self.note(
+                f"rep {rep + 1}/{self.cfg.reps} in lockstep: " + ", ".join(v.label for v in rows)
+            )
+            engines = [self.engines[v.engine] for v in rows]
+            for v, engine in zip(rows, engines, strict=True):
+                if v.tp == 1:  # this process is the rank
+                    engine.workers.call("threads", _threads(self.cfg, 1))
+            runs = lockstep_runs(engines, self.cfg, self.vocab, batch)
+            for v, run in zip(rows, runs, strict=True):
+                raw[v].append({"throughput": run})
+                if self.cfg.serving:
+                    raw[v][-1]["serving"] = serving_run(
+                        self.engines[v.engine], self.cfg, self.vocab
+                    )
 
     def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
         row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
