@@ -91,23 +91,26 @@ def _check_up_layouts(results) -> None:
     assert "| deinfer kv=dense tp2 (up=sharded) |" in markdown(results)
 
 
+def _tiny_tp1(**fields) -> BenchConfig:
+    """A quick tp-1 bench of tiny-llama, transformers beside it, throughput only."""
+    quick = {
+        "spec": str(SPECS / "tiny-llama.yaml"),
+        "tps": (1,),
+        "prompt_len": 4,
+        "output_len": 4,
+        "hf": True,
+        "threads": 1,
+        "serving": False,
+        "breakdown": False,
+        "reps": 2,
+    }
+    return BenchConfig(**(quick | fields))
+
+
 def test_bench_against_transformers_and_the_floor(tmp_path):
     """The hf row runs transformers on the same weights; every row is set against it and
     against the weight-streaming floor, at each batch and max_seq_len."""
-    cfg = BenchConfig(
-        spec=str(SPECS / "tiny-llama.yaml"),
-        tps=(1,),
-        modes=("dense", "deinfer"),
-        batches=(1, 2),
-        max_seq_lens=(16, 64),
-        prompt_len=4,
-        output_len=4,
-        hf=True,
-        threads=1,
-        serving=False,
-        breakdown=False,
-        reps=2,
-    )
+    cfg = _tiny_tp1(modes=("dense", "deinfer"), batches=(1, 2), max_seq_lens=(16, 64))
     results = run_bench(cfg)
     rows = {v["label"]: v for v in results["variants"]}
     assert set(rows) == {
@@ -352,21 +355,7 @@ def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_pa
 
 
 def test_lockstep_bench_rows_and_its_limits():
-    cfg = BenchConfig(
-        spec=str(SPECS / "tiny-llama.yaml"),
-        modes=("deinfer",),
-        kv_caches=("dense", "latent"),
-        tps=(1,),
-        batches=(2,),
-        prompt_len=4,
-        output_len=4,
-        hf=True,
-        threads=1,
-        serving=False,
-        breakdown=False,
-        reps=2,
-        lockstep=True,
-    )
+    cfg = _tiny_tp1(modes=("deinfer",), kv_caches=("dense", "latent"), batches=(2,), lockstep=True)
     results = run_bench(cfg)
     rows = {v["label"]: v for v in results["variants"]}
     assert set(rows) == {"deinfer kv=dense tp1 b2", "deinfer kv=latent tp1 b2", "hf tp1 b2"}

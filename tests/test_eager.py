@@ -156,7 +156,7 @@ def test_paged_attention_and_decode_dense_match_reference(lengths, kv, group, d)
     st.integers(1, 9),
     st.booleans(),
     st.booleans(),
-    st.sampled_from(["neox", "gptj"]),
+    st.sampled_from(["neox", "gptj", "none"]),
 )
 def test_decode_latent_matches_reconstruct_then_attend(
     lengths, kv, group, r_k, r_v, bias, k_norm, style
@@ -190,9 +190,10 @@ def test_decode_latent_matches_reconstruct_then_attend(
     for t in tables:
         for i, block in enumerate(t):
             per_slot[block * bs : (block + 1) * bs] = positions[:bs] + i * bs
-    keys = reference.rope_inplace(
-        keys.clone(), per_slot, freqs, torch.tensor([pool * bs]), style=style
-    )
+    if style != "none":  # "none": no RoPE (OPT's learned positions)
+        keys = reference.rope_inplace(
+            keys.clone(), per_slot, freqs, torch.tensor([pool * bs]), style=style
+        )
     values = (rows[:, r_k:] @ f.u_v + (f.bias_v if bias else 0)).view(-1, kv, d)
     lens = torch.tensor(lengths, dtype=torch.int32)
     want = reference.paged_decode_attention(
@@ -204,7 +205,8 @@ def test_decode_latent_matches_reconstruct_then_attend(
         torch.empty_like(q),
         scale=d**-0.5,
     )
-    ctx = cache_context(tables, lengths, bs, freqs, torch.device("cpu"), style)
+    rope = None if style == "none" else freqs
+    ctx = cache_context(tables, lengths, bs, rope, torch.device("cpu"), style)
     got = decode_latent(q, LayerCache("latent", latent=latent), ctx, f, d**-0.5)
     close(got, want, torch.float32, "latent")
 

@@ -193,7 +193,7 @@ class ModelRunner:
             bias_v=layer.w("v.bias"),
             k_norm=layer.w("k_norm.weight") if m.qk_norm else None,
             eps=m.norm.eps,
-            rope_style=m.positions.style if m.positions.kind == "rope" else "neox",
+            rope_style=m.positions.style if m.positions.kind == "rope" else "none",
         )
 
     # --- prefill ---------------------------------------------------------------------

@@ -151,7 +151,8 @@ def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tens
 
 def rope_pair_order(head_dim: int, style: str) -> torch.Tensor:
     """The order of head_dim that puts each RoPE pair side by side: neox rotates i with
-    i + head_dim/2, gptj 2i with 2i+1 (already adjacent)."""
+    i + head_dim/2, gptj 2i with 2i+1 (already adjacent); any other style (no RoPE):
+    head_dim as it is."""
     if style != "neox":
         return torch.arange(head_dim)
     half = torch.arange(head_dim // 2)

@@ -85,7 +85,7 @@ class LatentFactors:
     bias_v: torch.Tensor | None
     k_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm weight
     eps: float
-    rope_style: str
+    rope_style: str  # neox | gptj | none (no RoPE)
     # What decode multiplies by, made once. Each head's dims in RoPE pair order
     # (``eager.rope_pair_order``; the queries are put in the same order, which leaves
     # q·k unchanged), so that RoPE is one complex product: U_k's columns as F.linear's
