@@ -91,8 +91,9 @@ def _check_up_layouts(results) -> None:
     assert "| deinfer kv=dense tp2 (up=sharded) |" in markdown(results)
 
 
-def _tiny_tp1(**fields) -> BenchConfig:
-    """A quick tp-1 bench of tiny-llama, transformers beside it, throughput only."""
+def _tiny_bench(**fields) -> BenchConfig:
+    """A quick bench of tiny-llama (tp 1 unless told), transformers beside it, throughput
+    only."""
     quick = {
         "spec": str(SPECS / "tiny-llama.yaml"),
         "tps": (1,),
@@ -110,7 +111,7 @@ def _tiny_tp1(**fields) -> BenchConfig:
 def test_bench_against_transformers_and_the_floor(tmp_path):
     """The hf row runs transformers on the same weights; every row is set against it and
     against the weight-streaming floor, at each batch and max_seq_len."""
-    cfg = _tiny_tp1(modes=("dense", "deinfer"), batches=(1, 2), max_seq_lens=(16, 64))
+    cfg = _tiny_bench(modes=("dense", "deinfer"), batches=(1, 2), max_seq_lens=(16, 64))
     results = run_bench(cfg)
     rows = {v["label"]: v for v in results["variants"]}
     assert set(rows) == {
@@ -355,16 +356,23 @@ def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_pa
 
 
 def test_lockstep_bench_rows_and_its_limits():
-    cfg = _tiny_tp1(modes=("deinfer",), kv_caches=("dense", "latent"), batches=(2,), lockstep=True)
+    """In lockstep, engines in this process (tp 1) and with worker processes (tp 2) take
+    turns; the rows get their ratios as in a plain run."""
+    cfg = _tiny_bench(
+        modes=("deinfer",), kv_caches=("dense", "latent"), tps=(1, 2), batches=(2,), lockstep=True
+    )
     results = run_bench(cfg)
     rows = {v["label"]: v for v in results["variants"]}
-    assert set(rows) == {"deinfer kv=dense tp1 b2", "deinfer kv=latent tp1 b2", "hf tp1 b2"}
+    assert set(rows) == {
+        f"deinfer kv={kv} tp{tp} b2" for kv in ("dense", "latent") for tp in (1, 2)
+    } | {"hf tp1 b2"}
     assert all(len(v["throughput"]) == 2 for v in rows.values())
-    latent = rows["deinfer kv=latent tp1 b2"]
-    dense = rows["deinfer kv=dense tp1 b2"]["decode_tokens_per_s"]["median"]
-    assert latent["step_vs_dense_kv"] == pytest.approx(
-        dense / latent["decode_tokens_per_s"]["median"]
-    )
+    for tp in (1, 2):
+        latent = rows[f"deinfer kv=latent tp{tp} b2"]
+        dense = rows[f"deinfer kv=dense tp{tp} b2"]["decode_tokens_per_s"]["median"]
+        assert latent["step_vs_dense_kv"] == pytest.approx(
+            dense / latent["decode_tokens_per_s"]["median"]
+        )
     assert "decode steps taken in turn" in markdown(results)
     with pytest.raises(ValueError, match="--lockstep cannot be combined with --link"):
         BenchConfig(spec="s", links=("100mbit",), lockstep=True)
