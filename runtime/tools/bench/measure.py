@@ -88,20 +88,20 @@ class _StepClock:
 def lockstep_runs(
     llms: list[LLM], cfg: BenchConfig, vocab: int, batch: int | None = None
 ) -> list[dict[str, float]]:
-    """``throughput_run`` of several engines at once, one step of each in turn (the
-    order reversed every round), each timed over its own steps: rows compared this way
-    see the same machine within a step of each other. On this 2-core VM the speed
-    drifts by ±15% between runs seconds apart; latent- against dense-KV decode measured
-    row after row spread 1.05–1.42x within one run's repetitions, in lockstep 1.14–1.30x."""
+    """``throughput_run`` of several engines at once, one step of each in turn, each
+    timed over its own steps: rows compared this way see the same machine within a step
+    of each other. On this 2-core VM the speed drifts by ±15% between runs seconds
+    apart; latent- against dense-KV decode measured row after row spread 1.05–1.42x
+    within one run's repetitions, in lockstep 1.17–1.33x. The order stays the same
+    every round: reversing it gave the engines at its ends two steps in a row (warm
+    caches) half the time."""
     prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len)
     clocks = [_StepClock(llm, prompts, params) for llm in llms]
-    order = list(clocks)
-    while any(c.busy for c in order):
-        for c in order:
+    while any(c.busy for c in clocks):
+        for c in clocks:
             if c.busy:
                 c.step()
-        order.reverse()
     return [c.result(cfg.prompt_len) for c in clocks]
 
 
