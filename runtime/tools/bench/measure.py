@@ -92,7 +92,7 @@ def lockstep_runs(
     timed over its own steps: rows compared this way see the same machine within a step
     of each other. On this 2-core VM the speed drifts by ±15% between runs seconds
     apart; latent- against dense-KV decode measured row after row spread 1.05–1.42x
-    within one run's repetitions, in lockstep 1.17–1.33x. The order stays the same
+    within one run's repetitions, in lockstep 1.17–1.38x. The order stays the same
     every round: reversing it gave the engines at its ends two steps in a row (warm
     caches) half the time."""
     prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
