@@ -302,8 +302,8 @@ class _Session:
         return raw
 
     def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
-        """One repetition: the engine rows of each batch in lockstep, then transformers'
-        rows alone; serving runs (if any) after, one row at a time."""
+        """One repetition: transformers' rows alone, then the engine rows of each batch
+        in lockstep and, if the bench serves, each of those rows' serving run alone."""
         by_batch: dict[int | None, list[Variant]] = {}
         for v in self.variants:
             if v.mode == "hf":
