@@ -132,21 +132,26 @@ def gemm_fixed(
     return out
 
 
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, style: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [T, head_dim] laid out so that RoPE is x·cos + swap(x)·sin."""
-    cos, sin = reference.rope_cos_sin(positions, inv_freq)
-    if style == "neox":
-        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-    return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
-
-
 def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """e^(i·position·frequency) [T, head_dim / 2], complex64: RoPE as one complex product
     over a tensor whose rotation pairs are adjacent (``rope_pair_order``)."""
     cos, sin = reference.rope_cos_sin(positions, inv_freq)
     return torch.complex(cos, sin)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, style: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [T, head_dim] laid out so that RoPE is x·cos + swap(x)·sin."""
+    return rope_tables_of(rope_rotation(positions, inv_freq), style)
+
+
+def rope_tables_of(rotation: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables`` from the angles of ``rope_rotation`` (computed once for both)."""
+    cos, sin = rotation.real, rotation.imag
+    if style == "neox":
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
 
 
 def rope_pair_order(head_dim: int, style: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from runtime.kernels.eager import (
     normalize,
     rope_pair_order,
     rope_rotation,
-    rope_tables,
+    rope_tables_of,
     rotate,
 )
 from runtime.model.paged_cache import LayerCache
@@ -65,8 +65,8 @@ def cache_context(
     slots = torch.where(valid, slots, 0)
     cos = sin = rotation = None
     if inv_freq is not None:
-        cos, sin = rope_tables(positions.to(device), inv_freq, rope_style)
         rotation = rope_rotation(positions.to(device), inv_freq)
+        cos, sin = rope_tables_of(rotation, rope_style)
     bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
     return CacheContext(slots.to(device), valid.to(device), bias.to(device), cos, sin, rotation)
 

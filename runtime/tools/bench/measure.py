@@ -27,27 +27,6 @@ def prompts_for(cfg: BenchConfig, n: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(n)]
 
 
-def throughput_run(
-    llm: LLM, cfg: BenchConfig, vocab: int, batch: int | None = None
-) -> dict[str, float]:
-    prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
-    params = SamplingParams(max_tokens=cfg.output_len)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.token_ids) for o in outs)
-    first = max(o.token_times[0] for o in outs)
-    decode_tokens = out_tokens - len(outs)
-    decode_time = max(o.token_times[-1] for o in outs) - first
-    return {
-        "seconds": elapsed,
-        "requests_per_s": len(outs) / elapsed,
-        "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (out_tokens + len(outs) * cfg.prompt_len) / elapsed,
-        "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
-    }
-
-
 class _StepClock:
     """One engine's batch in a lockstep run: its own steps, each timed alone."""
 
@@ -71,7 +50,8 @@ class _StepClock:
         self.started.update(s.id for s, _, _ in events)
 
     def result(self, prompt_len: int) -> dict[str, float]:
-        """What ``throughput_run`` reports, over this engine's own step time."""
+        """Rates over this engine's own step time; decode: the steps after every
+        request has its first token."""
         elapsed = sum(t for t, _, _ in self.steps)
         out_tokens = sum(n for _, n, _ in self.steps)
         decode_time = sum(t for t, _, d in self.steps if d)
@@ -88,7 +68,7 @@ class _StepClock:
 def lockstep_runs(
     llms: list[LLM], cfg: BenchConfig, vocab: int, batch: int | None = None
 ) -> list[dict[str, float]]:
-    """``throughput_run`` of several engines at once, one step of each in turn, each
+    """A throughput run of several engines at once, one step of each in turn, each
     timed over its own steps: rows compared this way see the same machine within a step
     of each other. On this 2-core VM the speed drifts by ±15% between runs seconds
     apart; latent- against dense-KV decode measured row after row spread 1.05–1.42x
@@ -103,6 +83,15 @@ def lockstep_runs(
             if c.busy:
                 c.step()
     return [c.result(cfg.prompt_len) for c in clocks]
+
+
+def throughput_run(
+    llm: LLM, cfg: BenchConfig, vocab: int, batch: int | None = None
+) -> dict[str, float]:
+    """One engine's batch of ``batch`` (or ``cfg.num_requests``) requests: requests/s,
+    output and total tokens/s, and decode tokens/s (the steps after every request has
+    its first token), over the engine's step time."""
+    return lockstep_runs([llm], cfg, vocab, batch)[0]
 
 
 def serving_run(llm: LLM, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
