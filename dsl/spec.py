@@ -35,6 +35,11 @@ class Positions:
     scaling: RopeScaling | None = None
     offset: int = 0  # learned positions: OPT stores position p at row p + 2
 
+    @property
+    def rope_style(self) -> str:
+        """How RoPE pairs a head's dims (neox | gptj), or "none" without RoPE."""
+        return self.style if self.kind == "rope" else "none"
+
 
 @dataclass(frozen=True)
 class Norm:

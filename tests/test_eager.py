@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from runtime.engine.model_runner import Piece, prefill_chunks
@@ -26,6 +26,7 @@ from runtime.model.eager_attention import (
     decode_dense,
     decode_latent,
 )
+from runtime.model.latent_basis import copy_basis
 from runtime.model.paged_cache import LayerCache
 from runtime.model.rope import inv_freq
 from tests.kernel_utils import TOLERANCE
@@ -148,6 +149,20 @@ def test_paged_attention_and_decode_dense_match_reference(lengths, kv, group, d)
     close(decode_dense(q, LayerCache("dense", k=k, v=v), ctx, scale), want, torch.float32, "dense")
 
 
+def up_in_copy_basis(r_k: int, kv: int, d: int, style: str, ranks: int | None):
+    """(U_k of the last of ``ranks`` ranks with kv heads each, whether it is in the copy
+    basis); ranks None: random factors as they are."""
+    if ranks is None:
+        return randn(r_k, kv * d, seed=14), False
+    width = kv * d
+    whole = randn(r_k, ranks * width, seed=14)
+    groups = tuple((i * width, (i + 1) * width) for i in range(ranks))
+    basis = copy_basis(randn(3, r_k, seed=19), whole, groups, d, style)
+    # random factors have one where they have a pair and no more columns than keys
+    assert (basis is None) == (r_k < 2 or r_k > whole.shape[1])
+    return (whole if basis is None else basis[1])[:, -width:], basis is not None
+
+
 @given(
     st.lists(st.integers(1, 30), min_size=1, max_size=4),
     st.integers(1, 2),
@@ -157,21 +172,28 @@ def test_paged_attention_and_decode_dense_match_reference(lengths, kv, group, d)
     st.booleans(),
     st.booleans(),
     st.sampled_from(["neox", "gptj", "none"]),
+    st.sampled_from([None, 1, 2]),
 )
+# every key copied (full rank, bias added in place); a later rank's copied range
+@example([5, 9], 1, 2, 8, 3, True, False, "neox", 1)
+@example([7], 2, 1, 9, 2, True, False, "gptj", 2)
 def test_decode_latent_matches_reconstruct_then_attend(
-    lengths, kv, group, r_k, r_v, bias, k_norm, style
+    lengths, kv, group, r_k, r_v, bias, k_norm, style, copy_ranks
 ):
     """Rebuild K (norm, RoPE at true positions) and V for every cached token, then the
-    reference paged attention: the same as keys rebuilt per batch with V absorbed."""
+    reference paged attention: the same as keys rebuilt per batch with V absorbed.
+    ``copy_ranks``: U_k in the copy basis of that many ranks' heads (this rank: the
+    last one's), so that some or all keys are the latent's own columns."""
     d, bs = 8, 4
     tables, table_t, q, _, _ = paged_case(12, lengths, kv, group, d, bs)
     pool = max(max(t) for t in tables) + 2
     latent = randn(pool, bs, r_k + r_v, seed=13)
+    u_k, basis = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
     f = LatentFactors(
         r_k=r_k,
         kv_heads=kv,
         head_dim=d,
-        u_k=randn(r_k, kv * d, seed=14),
+        u_k=u_k,
         u_v=randn(r_v, kv * d, seed=15),
         bias_k=randn(kv * d, seed=16) if bias else None,
         bias_v=randn(kv * d, seed=17) if bias else None,
@@ -179,6 +201,8 @@ def test_decode_latent_matches_reconstruct_then_attend(
         eps=1e-6,
         rope_style=style,
     )
+    if basis:  # pairs taken in turn, the first rank first; none with k_norm
+        assert f.copies == (0 if k_norm else 2 * (r_k // 2 // copy_ranks))
     freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     rows = latent.view(-1, r_k + r_v)
     keys = rows[:, :r_k] @ f.u_k + (f.bias_k if bias else 0)

@@ -78,6 +78,9 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, path):
     with LLM(spec_path, ckpt, tp=tp, mode=mode, **options) as llm:
         want_layout = "sharded" if (tp, mode, up) == (2, "deinfer", "auto") else "replicated"
         assert llm.workers.call("plan_up_layout") == [want_layout] * tp
+        # r_k = 5 over 2 KV heads of 8: 2 RoPE pairs copied, shared out over the ranks
+        want_copies = {i: (4 // tp, 16 // tp) for i in range(2)} if kv == "latent" else {}
+        assert llm.workers.call("latent_key_copies") == [want_copies] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)

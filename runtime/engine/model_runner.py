@@ -149,7 +149,12 @@ class ModelRunner:
     def _model(self, mode_plan: ModePlan) -> TPModel:
         config, spec = self.config, self.spec
         weights = load_rank_weights(
-            config.checkpoint, spec, mode_plan, self.rank, DTYPES[spec.runtime.dtype]
+            config.checkpoint,
+            spec,
+            mode_plan,
+            self.rank,
+            DTYPES[spec.runtime.dtype],
+            kv_cache=config.kv_cache,
         )
         backend = config.backend if config.path == "static" else "eager"
         model = TPModel(
@@ -193,7 +198,7 @@ class ModelRunner:
             bias_v=layer.w("v.bias"),
             k_norm=layer.w("k_norm.weight") if m.qk_norm else None,
             eps=m.norm.eps,
-            rope_style=m.positions.style if m.positions.kind == "rope" else "none",
+            rope_style=m.positions.rope_style,
         )
 
     # --- prefill ---------------------------------------------------------------------
@@ -355,6 +360,11 @@ class ModelRunner:
     def plan_up_layout(self) -> str:
         """How this rank holds deinfer's o/down up factors (``auto`` resolved)."""
         return self.up_layout
+
+    def latent_key_copies(self) -> dict[int, tuple[int, int]]:
+        """Per latent-cache layer: (key columns decode copies from the latent, key columns
+        this rank rebuilds in all); the copies cost no GEMM (``runtime.model.latent_basis``)."""
+        return {i: (f.copies, f.kv_heads * f.head_dim) for i, f in self.latent_factors.items()}
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

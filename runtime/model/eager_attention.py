@@ -23,6 +23,7 @@ from runtime.kernels.eager import (
     rope_tables_of,
     rotate,
 )
+from runtime.model.latent_basis import copies_usable
 from runtime.model.paged_cache import LayerCache
 
 
@@ -71,6 +72,35 @@ def cache_context(
     return CacheContext(slots.to(device), valid.to(device), bias.to(device), cos, sin, rotation)
 
 
+def latent_layout(
+    u_k: torch.Tensor, kv_heads: int, order: torch.Tensor, copies_allowed: bool = True
+) -> tuple[int, int, torch.Tensor]:
+    """(copy_from, copies, layout) of U_k [r_k, kv_heads · head_dim]: the key columns
+    in pair order (``order``: ``eager.rope_pair_order``), head by head, except that the
+    RoPE pairs whose two columns are U_k's identity columns of latent columns
+    copy_from, copy_from + 1, .. (``runtime.model.latent_basis`` makes them) come first;
+    ``copies`` of them (0: none, where they are not one such range or not
+    ``copies_allowed``: ``latent_basis.copies_usable``)."""
+    head_dim = order.numel()
+    pairs = (torch.arange(kv_heads, device=order.device)[:, None] * head_dim + order).flatten()
+    plain = (0, 0, pairs)
+    if not copies_allowed:
+        return plain
+    unit = ((u_k != 0).sum(0) == 1) & (u_k.amax(0) == 1)
+    source = u_k.argmax(0)
+    a, b = pairs.view(-1, 2).unbind(1)
+    copied = unit[a] & unit[b] & (source[b] == source[a] + 1)
+    copy_columns = pairs.view(-1, 2)[copied].flatten()
+    if copy_columns.numel() == 0:
+        return plain
+    sources = source[copy_columns]
+    first = int(sources[0])
+    if not torch.equal(sources, torch.arange(first, first + len(sources), device=order.device)):
+        return plain
+    rest = pairs.view(-1, 2)[~copied].flatten()
+    return first, copy_columns.numel(), torch.cat([copy_columns, rest])
+
+
 @dataclass(frozen=True)
 class LatentFactors:
     """One layer's up factors of k and v as a latent cache needs them (this rank's
@@ -86,32 +116,46 @@ class LatentFactors:
     k_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm weight
     eps: float
     rope_style: str  # neox | gptj | none (no RoPE)
-    # What decode multiplies by, made once. Each head's dims in RoPE pair order
-    # (``eager.rope_pair_order``; the queries are put in the same order, which leaves
-    # q·k unchanged), so that RoPE is one complex product: U_k's columns as F.linear's
-    # weight [kv_heads · head_dim, r_k], its bias and k_norm's weight; a [kv_heads, 1,
-    # kv_heads, 1] identity that spreads each query head over its KV head's columns;
+    # What decode multiplies by, made once (``latent_layout``): the key columns in the
+    # order decode builds them, each RoPE pair side by side, first the columns that are
+    # latent columns copy_from.. (U_k's identity columns, ``runtime.model.latent_basis``),
+    # then the rest, whose U_k columns are F.linear's weight [rest, r_k]; each key
+    # column's head and dim (the queries are laid out the same, which leaves q·k
+    # unchanged), each pair's RoPE angle, k's bias and k_norm's weight in that order;
     # U_v per KV head [kv_heads, r_v, head_dim].
-    pair_order: torch.Tensor = field(init=False, repr=False)
-    u_k_pairs: torch.Tensor = field(init=False, repr=False)
-    bias_k_pairs: torch.Tensor | None = field(init=False, repr=False)
-    k_norm_pairs: torch.Tensor | None = field(init=False, repr=False)
-    head_mask: torch.Tensor = field(init=False, repr=False)
+    layout: torch.Tensor = field(init=False, repr=False)
+    copy_from: int = field(init=False, repr=False)
+    copies: int = field(init=False, repr=False)
+    u_k_rest: torch.Tensor = field(init=False, repr=False)
+    bias_k_layout: torch.Tensor | None = field(init=False, repr=False)
+    k_norm_layout: torch.Tensor | None = field(init=False, repr=False)
+    key_dims: torch.Tensor = field(init=False, repr=False)
+    head_mask: torch.Tensor = field(init=False, repr=False)  # [kv_heads, 1, width]
+    angle_index: torch.Tensor = field(init=False, repr=False)
+    angles_by_head: bool = field(init=False, repr=False)
     u_v_heads: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         order = rope_pair_order(self.head_dim, self.rope_style).to(self.u_k.device)
-        columns = (
-            torch.arange(self.kv_heads, device=order.device)[:, None] * self.head_dim + order
-        ).flatten()
-        eye = torch.eye(self.kv_heads, dtype=self.u_k.dtype, device=self.u_k.device)
+        allowed = copies_usable(self.head_dim, self.k_norm is not None)
+        copy_from, copies, layout = latent_layout(self.u_k, self.kv_heads, order, allowed)
+        kv = torch.arange(self.kv_heads, device=order.device)
+        angle = torch.empty_like(order)
+        angle[order] = torch.arange(self.head_dim, device=order.device) // 2
+        angle_index = angle[layout[0::2] % self.head_dim]
+        by_head = torch.arange(self.head_dim // 2, device=order.device).repeat(self.kv_heads)
         heads = self.u_v.reshape(-1, self.kv_heads, self.head_dim).permute(1, 0, 2)
         laid_out = {
-            "pair_order": order,
-            "u_k_pairs": self.u_k[:, columns].t().contiguous(),
-            "bias_k_pairs": None if self.bias_k is None else self.bias_k[columns],
-            "k_norm_pairs": None if self.k_norm is None else self.k_norm[order],
-            "head_mask": eye.view(self.kv_heads, 1, self.kv_heads, 1),
+            "layout": layout,
+            "copy_from": copy_from,
+            "copies": copies,
+            "u_k_rest": self.u_k[:, layout[copies:]].t().contiguous(),
+            "bias_k_layout": None if self.bias_k is None else self.bias_k[layout],
+            "k_norm_layout": None if self.k_norm is None else self.k_norm[order],
+            "key_dims": layout % self.head_dim,
+            "head_mask": (layout // self.head_dim == kv[:, None]).to(self.u_k.dtype)[:, None],
+            "angle_index": angle_index,
+            "angles_by_head": torch.equal(angle_index, by_head),
             "u_v_heads": heads.contiguous(),
         }
         for name, value in laid_out.items():
@@ -129,19 +173,36 @@ class LatentFactors:
             k = rotate(k, cos[:, None, :], sin[:, None, :], self.rope_style).to(zk.dtype)
         return k
 
-    def keys_in_pair_order(self, zk: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-        """zk [B, L, r_k] -> post-RoPE keys [B, L, kv_heads · head_dim], each head's dims
-        in pair order; RoPE in place at positions 0..L-1, in fp32 (``rotation``: [L,
-        head_dim/2] from ``eager.rope_rotation``; None: no RoPE)."""
-        k = F.linear(zk, self.u_k_pairs, self.bias_k_pairs)
-        if self.k_norm is not None:
+    def keys_in_layout(self, zk: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+        """zk [B, L, r_k] -> post-RoPE keys [B, L, kv_heads · head_dim], columns in
+        ``layout``; RoPE in place at positions 0..L-1, in fp32 (``rotation``: [L,
+        head_dim/2] from ``eager.rope_rotation``; None: no RoPE). Where every column is
+        copied, the keys are zk's own columns, rotated in place (zk is overwritten)."""
+        c, bias = self.copies, self.bias_k_layout
+        copied = zk[..., self.copy_from : self.copy_from + c]
+        if c == self.layout.numel():
+            k = copied if bias is None else copied.add_(bias)
+        else:
+            k = F.linear(zk, self.u_k_rest, None if bias is None else bias[c:])
+            if c:
+                k = torch.cat([copied, k], -1)
+                if bias is not None:
+                    k[..., :c] += bias[:c]
+        if self.k_norm is not None:  # no copied columns: head by head
             heads = k.unflatten(-1, (self.kv_heads, self.head_dim))
-            k = normalize(heads, self.k_norm_pairs, None, norm="rms", eps=self.eps).flatten(-2)
+            k = normalize(heads, self.k_norm_layout, None, norm="rms", eps=self.eps).flatten(-2)
         if rotation is None:
             return k
-        k = k.float().contiguous()
-        pairs = k.unflatten(-1, (self.kv_heads, self.head_dim // 2, 2))
-        torch.view_as_complex(pairs).mul_(rotation[:, None, :])
+        # each layout pair's angle: head by head in pair order (no copies, or all) broadcasts
+        # the table; otherwise it is gathered (advanced indexing: 2x index_select here)
+        if self.angles_by_head:
+            shape, angles = (self.kv_heads, -1, 2), rotation[:, None, :]
+        else:
+            shape, angles = (1, -1, 2), rotation[:, None, self.angle_index]
+        k = k.float()
+        if k.storage_offset() % 2 or any(step % 2 for step in k.stride()[:-1]):
+            k = k.contiguous()  # view_as_complex needs even offsets and strides
+        torch.view_as_complex(k.unflatten(-1, shape)).mul_(angles)
         return k
 
     def values(self, zv: torch.Tensor) -> torch.Tensor:
@@ -183,8 +244,8 @@ def decode_latent(
     group = heads // f.kv_heads
     rows = cache.latent.view(-1, cache.latent.shape[-1])
     z = rows.index_select(0, ctx.slots.flatten()).view(batch, -1, rows.shape[-1])
-    keys = f.keys_in_pair_order(z[..., : f.r_k], ctx.rotation)  # [B, L, KV·D]
-    queries = (q * scale)[..., f.pair_order].view(batch, f.kv_heads, group, 1, d)
+    keys = f.keys_in_layout(z[..., : f.r_k], ctx.rotation)  # [B, L, KV·D]
+    queries = (q * scale).index_select(-1, f.key_dims).view(batch, f.kv_heads, group, -1)
     blocks = (queries * f.head_mask).view(batch, heads, -1).to(keys.dtype)  # [B, H, KV·D]
     scores = torch.bmm(blocks, keys.transpose(1, 2)).float().add_(ctx.mask_bias[:, None, :])
     probs = torch.softmax(scores, dim=-1).to(z.dtype)  # [B, H, L]

@@ -11,6 +11,7 @@ from dsl.plan import ModePlan
 from dsl.sharding import COLS, ROWS, pad_to
 from dsl.spec import LayerRanks, Spec
 from runtime.model.checkpoint import CheckpointReader, Names, names_for, validate
+from runtime.model.latent_basis import CopyBasisSource, copies_usable
 from runtime.model.shard import shard_layer
 
 
@@ -60,9 +61,17 @@ class CheckpointSource:
 
 
 def load_rank_weights(
-    folder: str | Path, spec: Spec, mode_plan: ModePlan, rank: int, dtype: torch.dtype
+    folder: str | Path,
+    spec: Spec,
+    mode_plan: ModePlan,
+    rank: int,
+    dtype: torch.dtype,
+    kv_cache: str = "dense",
 ) -> ModelWeights:
-    """Validate the checkpoint against ``spec`` and read rank ``rank``'s slices."""
+    """Validate the checkpoint against ``spec`` and read rank ``rank``'s slices; the
+    layers whose cache is latent under ``kv_cache`` get k's factors in the copy basis
+    (``runtime.model.latent_basis``, where decode can use it), on every path, so that
+    every path caches the same."""
     reader = CheckpointReader(folder)
     validate(reader, spec)
     m, tp = spec.model, mode_plan.tp
@@ -77,7 +86,10 @@ def load_rank_weights(
     layers = []
     for index, ranks in enumerate(spec.decomposition.layers):
         lp = mode_plan.layer_plan(ranks)
-        local = shard_layer(lp, CheckpointSource(reader, names, index, ranks), rank)
+        source = CheckpointSource(reader, names, index, ranks)
+        if lp.cache_kind(kv_cache) == "latent" and copies_usable(m.head_dim, m.qk_norm):
+            source = CopyBasisSource(source, lp, m.head_dim, m.positions.rope_style)
+        local = shard_layer(lp, source, rank)
         for norm in ("input_norm", "post_norm"):
             for p in norm_parts:
                 local[f"{norm}.{p}"] = reader.read(f"{names.layer(index, norm)}.{p}")

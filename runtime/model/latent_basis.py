@@ -1,0 +1,166 @@
+"""A basis for k's latent in which rebuilding the keys is mostly a copy.
+
+A decomposed k projection W_k = D_k·U_k (D_k [in, r], U_k [r, out]) is one of many
+factor pairs: for any invertible S [r, r], (D_k·S)·(S⁻¹·U_k) is the same product. Take
+S = r of U_k's own columns: then S⁻¹·U_k holds those columns as the identity, and the
+latent z' = x·D_k·S *is* those columns of the pre-RoPE key. A latent KV cache decodes by
+rebuilding every cached key at every step (z'·U'_k, then RoPE); in this basis the copied
+columns cost nothing and the GEMM shrinks to the other out − r columns (none at full
+rank, where the latent is the pre-RoPE key itself). The cache holds r elements per token
+as before, and the product, hence every result, is unchanged up to rounding.
+
+The copied columns are chosen so that the decode path can use them as they are:
+- in whole RoPE pairs (``eager.rope_pair_order``), so that RoPE rotates them in place;
+- in turn from each rank's heads (the ranks rebuild their own heads' keys), and ordered
+  rank by rank, each rank's in its own pair order, so that the latent columns a rank
+  copies are one contiguous range (``eager_attention.LatentFactors`` finds it);
+- greedily by volume (pivoted Gram–Schmidt on pairs), so that S is well conditioned. A
+  U_k that S would make ill conditioned keeps its factors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.plan import LayerPlan
+from dsl.sharding import COLS, ROWS
+from runtime.kernels.eager import rope_pair_order
+from runtime.model.shard import FactorSource, slice_padded
+
+# The largest |entry| of S⁻¹·U_k for which the basis is changed: each rebuilt key column
+# sums latent columns times these entries, so their rounding grows with them (the greedy
+# choice keeps them near 1–3 on random and SVD factors; an ill-conditioned S would not).
+MAX_ENTRY = 64.0
+
+
+def copies_usable(head_dim: int, qk_norm: bool) -> bool:
+    """Whether decode can take key columns from the latent as they are: whole RoPE pairs
+    need an even head_dim, and a per-head k norm needs each head's columns together
+    (decode keeps them head by head there). Elsewhere the factors are left as stored."""
+    return head_dim % 2 == 0 and not qk_norm
+
+
+def rank_pairs(
+    groups: tuple[tuple[int, int], ...], head_dim: int, rope_style: str
+) -> list[list[tuple[int, int]]]:
+    """Per group (a rank's columns [start, stop)), its RoPE pairs of U_k's columns in the
+    decode layout's order: head by head, each head's pairs in ``rope_pair_order``."""
+    order = rope_pair_order(head_dim, rope_style).tolist()
+    pairs = []
+    for start, stop in groups:
+        pairs.append(
+            [
+                (head + order[i], head + order[i + 1])
+                for head in range(start, stop, head_dim)
+                for i in range(0, head_dim - 1, 2)  # no RoPE, odd head_dim: one unpaired
+            ]
+        )
+    return pairs
+
+
+def _choose(u: torch.Tensor, pairs: list[list[tuple[int, int]]]) -> list[list[int]] | None:
+    """Indices into each group's pairs: r // 2 pairs taken in turn from the group with the
+    fewest so far, each the one whose columns, less their projection on the span of the
+    pairs taken before, span the largest area; None where U_k's columns do not span r
+    dimensions.
+
+    The residual columns are never formed: with Q an orthonormal basis of the span taken
+    so far, a new basis vector q is orthogonal to Q, so q·(a − QQᵀa) = q·a, and each
+    step updates every column's squared residual norm and every pair's residual dot
+    product from one product qᵀU of the fixed U (0.14 s against 0.35 s for updating a
+    residual matrix, at Llama-3-70B's r_k = 614 over 8 ranks' 1024 columns)."""
+    r = u.shape[0]
+    flat = [(g, i, a, b) for g, group in enumerate(pairs) for i, (a, b) in enumerate(group)]
+    a_cols = torch.tensor([a for _, _, a, _ in flat])
+    b_cols = torch.tensor([b for _, _, _, b in flat])
+    starts = [0]
+    for group in pairs:
+        starts.append(starts[-1] + len(group))
+    norms = (u * u).sum(0)  # per column: squared norm of its residual
+    cross = (u[:, a_cols] * u[:, b_cols]).sum(0)  # per pair: its residual columns' dot
+    scale = float(norms.max())
+    q = torch.zeros(r, r, dtype=u.dtype)  # orthonormal basis of the span taken, by column
+    taken: list[list[int]] = [[] for _ in pairs]
+    for step in range(r // 2):
+        g = min(
+            (g for g in range(len(pairs)) if len(taken[g]) < len(pairs[g])),
+            key=lambda g: len(taken[g]),
+        )
+        lo, hi = starts[g], starts[g + 1]
+        area = norms[a_cols[lo:hi]] * norms[b_cols[lo:hi]] - cross[lo:hi] ** 2
+        area[taken[g]] = -1.0
+        best = int(area.argmax())
+        if area[best] <= 1e-20 * scale * scale:
+            return None
+        taken[g].append(best)
+        done = q[:, : 2 * step]
+        for j, column in enumerate((int(a_cols[lo + best]), int(b_cols[lo + best]))):
+            v = u[:, column]
+            for _ in range(2):  # Gram–Schmidt twice keeps q orthonormal in float64
+                v = v - done @ (done.t() @ v)
+                if j:
+                    v = v - q[:, 2 * step] * (q[:, 2 * step] @ v)
+            q[:, 2 * step + j] = v / v.norm()
+        proj = q[:, 2 * step : 2 * step + 2].t() @ u  # [2, out]
+        norms -= (proj * proj).sum(0)
+        cross -= (proj[:, a_cols] * proj[:, b_cols]).sum(0)
+    return taken
+
+
+def copy_basis(
+    d: torch.Tensor,
+    u: torch.Tensor,
+    groups: tuple[tuple[int, int], ...],
+    head_dim: int,
+    rope_style: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(D_k·S, S⁻¹·U_k) for d [in, r], u [r, out], with S the chosen columns of u (see the
+    module); None where there is no such basis (r > out, U_k of lower rank, entries
+    of S⁻¹·U_k over ``MAX_ENTRY``): the factors stay as they are."""
+    r, out = u.shape
+    if r > out or r < 2:
+        return None
+    u64 = u.double()
+    pairs = rank_pairs(groups, head_dim, rope_style)
+    taken = _choose(u64, pairs)
+    if taken is None:
+        return None
+    columns = [c for g, chosen in enumerate(taken) for i in sorted(chosen) for c in pairs[g][i]]
+    if r % 2:  # one more column, the one least in the span of the others
+        q, _ = torch.linalg.qr(u64[:, columns])
+        rest = u64 - q @ (q.t() @ u64)
+        norms = (rest * rest).sum(0)
+        norms[columns] = -1.0
+        columns.append(int(norms.argmax()))
+    s = u64[:, columns]
+    u_new = torch.linalg.solve(s, u64)
+    if not bool(u_new.abs().max() <= MAX_ENTRY):  # NaN too
+        return None
+    u_new[:, columns] = torch.eye(r, dtype=torch.float64)
+    return (d.double() @ s).to(d.dtype), u_new.to(u.dtype)
+
+
+class CopyBasisSource:
+    """A ``FactorSource`` that hands out k's factors in the copy basis (where one
+    exists) and every other tensor as ``source`` has it."""
+
+    def __init__(
+        self, source: FactorSource, plan: LayerPlan, head_dim: int, rope_style: str
+    ) -> None:
+        self.source = source
+        d, u = source.factor("k.v", "", 0, 0), source.factor("k.u", "", 0, 0)
+        # ranks that share heads (fewer KV heads than ranks) share a group
+        groups = tuple(dict.fromkeys(plan.factor("k.u").ranges))
+        if any(stop > u.shape[1] or (stop - start) % head_dim for start, stop in groups):
+            groups = ((0, u.shape[1]),)
+        self.factors = copy_basis(d, u, groups, head_dim, rope_style)
+
+    def factor(self, tensor: str, split: str, start: int, stop: int) -> torch.Tensor:
+        if self.factors is None or tensor not in ("k.v", "k.u"):
+            return self.source.factor(tensor, split, start, stop)
+        t = self.factors[0] if tensor == "k.v" else self.factors[1]
+        if split == COLS:
+            return slice_padded(t, 1, start, stop)
+        if split == ROWS:
+            return slice_padded(t, 0, start, stop)
+        return t.contiguous()

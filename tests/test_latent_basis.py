@@ -1,0 +1,95 @@
+"""k's factors in the copy basis (``runtime.model.latent_basis``): the same product, U_k's
+chosen columns the identity, whole RoPE pairs, each rank's copies one contiguous range of
+the latent that decode finds (``eager_attention.latent_layout``), and a model served with
+a latent cache from them gives the same tokens as with a dense one."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsl import build_plan, load_spec
+from dsl.sharding import COLS
+from runtime.kernels.eager import rope_pair_order
+from runtime.model.eager_attention import latent_layout
+from runtime.model.latent_basis import MAX_ENTRY, CopyBasisSource, copy_basis, rank_pairs
+from runtime.model.shard import DictSource
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@given(
+    st.integers(2, 40),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from([4, 8]),
+    st.sampled_from(["neox", "gptj", "none"]),
+)
+def test_copy_basis_keeps_the_product_and_copies_whole_pairs(rank, ranks, heads, d, style):
+    out = ranks * heads * d
+    rank = min(rank, out)
+    groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
+    down, up = randn(11, rank, seed=1), randn(rank, out, seed=2)
+    basis = copy_basis(down, up, groups, d, style)
+    assert basis is not None
+    new_down, new_up = basis
+    product = down.double() @ up.double()
+    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5)
+    assert new_up.abs().max() <= MAX_ENTRY
+    pairs = [p for group in rank_pairs(groups, d, style) for p in group]
+    unit = ((new_up != 0).sum(0) == 1) & (new_up.amax(0) == 1)
+    assert int(unit.sum()) == rank  # S's columns became the identity
+    # every rank finds its copied pairs as one range of the latent, the ranges in rank
+    # order and back to back, the pairs shared out in turn (first ranks first)
+    order = rope_pair_order(d, style)
+    start, counts = 0, []
+    for lo, hi in groups:
+        first, copies, layout = latent_layout(new_up[:, lo:hi], heads, order)
+        assert sorted(layout.tolist()) == list(range(hi - lo))
+        assert copies == 0 or first == start
+        start += copies
+        counts.append(copies // 2)
+    assert start == 2 * (rank // 2)
+    assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    copied = {c for a, b in pairs if unit[a] and unit[b] for c in (a, b)}
+    assert len(copied) == 2 * (rank // 2)
+
+
+def test_full_rank_latent_is_the_pre_rope_key():
+    """r = out: U_k becomes a permutation, so the latent is x·W_k itself, its columns
+    in pair order head by head (neox, head_dim 4: 0 2 1 3)."""
+    down, up = randn(16, 8, seed=3), randn(8, 8, seed=4)
+    new_down, new_up = copy_basis(down, up, ((0, 8),), 4, "neox")
+    layout = [0, 2, 1, 3, 4, 6, 5, 7]
+    assert torch.equal(new_up, torch.eye(8)[:, torch.tensor(layout).argsort()])
+    assert torch.allclose(new_down, (down @ up)[:, layout], atol=1e-5)
+
+
+def test_no_basis_where_it_cannot_help():
+    down = randn(6, 5, seed=5)
+    assert copy_basis(down, randn(5, 4, seed=6), ((0, 4),), 4, "neox") is None  # r > out
+    low = randn(5, 2, seed=7) @ randn(2, 8, seed=8)  # rank 2 < r = 5
+    assert copy_basis(down, low, ((0, 8),), 4, "neox") is None
+
+
+def test_copy_basis_source_changes_only_k(repo):
+    """The source hands out k's factors in the copy basis, each rank's heads a group,
+    sliced as asked; every other tensor as stored."""
+    spec = load_spec(repo / "specs" / "tiny-llama.yaml")  # tp 2, 2 KV heads of 16, r_k 13
+    lp = build_plan(spec, modes=("deinfer",)).modes["deinfer"].layer_plans[0]
+    full = {"k.v": randn(64, 13, seed=9), "k.u": randn(13, 32, seed=10)}
+    full["q.u"] = randn(27, 64, seed=11)
+    source = CopyBasisSource(DictSource(full), lp, spec.model.head_dim, "neox")
+    d, u = source.factor("k.v", "", 0, 0), source.factor("k.u", "", 0, 0)
+    assert torch.allclose(d @ u, full["k.v"] @ full["k.u"], atol=1e-4)
+    assert torch.equal(source.factor("k.u", COLS, 16, 32), u[:, 16:])
+    assert torch.equal(source.factor("k.v", COLS, 0, 5), d[:, :5])
+    assert torch.equal(source.factor("q.u", "", 0, 0), full["q.u"])
+    order = rope_pair_order(16, "neox")
+    assert [latent_layout(u[:, lo:hi], 1, order)[:2] for lo, hi in ((0, 16), (16, 32))] == [
+        (0, 6),
+        (6, 6),
+    ]
