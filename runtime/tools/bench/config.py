@@ -109,7 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Latent vs dense KV cache at context 256, batch 8 (deinfer mode, tp 1), at full rank
     # and at the paper's 40%. 5 repetitions: with 3, single rows spread by ±15% on this VM.
     # In lockstep: the latent row's step over the dense row's, one step apart, is what
-    # this preset is for.
+    # this preset is for; transformers (products D·U, run alone) is the baseline beside it.
     "cpu-latent": {
         "spec": "specs/cpu-135m.yaml",
         "modes": ("deinfer",),
@@ -121,6 +121,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "output_len": 32,
         "reps": 5,
         "lockstep": True,
+        "hf": True,
         "serving": False,
         "breakdown": False,
     },

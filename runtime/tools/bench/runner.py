@@ -380,6 +380,10 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "gemm_forms": None if v.mode == "hf" else engine.workers.call("gemm_forms")[0],
         # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
         "up_layout_used": None if v.mode == "hf" else engine.workers.call("plan_up_layout")[0],
+        # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
+        "latent_key_copies": None
+        if v.mode == "hf"
+        else engine.workers.call("latent_key_copies")[0],
     }
     if v.mode != "hf" and cfg.breakdown:
         engine.workers.call("set_comm_stats", "timed")
