@@ -93,7 +93,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "up_layouts": ("auto", "replicated"),
     },
     # The CPU path against transformers on a 135M Llama (the shape of SmolLM2-135M) at
-    # full rank: batch 1 and 16, and the step time with a 16x longer max_seq_len.
+    # full rank: batch 1 and 16, and the step time with a 16x longer max_seq_len. In
+    # lockstep: measured row after row, two engines that differed only in max_seq_len
+    # were 11% apart (this VM's drift between rows).
     "cpu-hf": {
         "spec": "specs/cpu-135m.yaml",
         "modes": ("dense", "deinfer"),
@@ -102,6 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_seq_lens": (512, 8192),
         "prompt_len": 32,
         "output_len": 64,
+        "lockstep": True,
         "hf": True,
         "serving": False,
         "breakdown": False,
