@@ -1,7 +1,8 @@
 """The dynamic path's tuned products (``runtime.kernels.cpu_gemm``): every form equals
 the plain product over hypothesis shapes (fp32 to 1e-4 and bf16 to 2e-2 of the output's
 scale: each form sums in its own order), the tuned table falls back to the default for
-what it was not measured on, and the ranks of a group choose the same forms."""
+what it was not measured on, only the shapes that chose the reordered weight keep one,
+timing passes read distinct matrices, and the ranks of a group choose the same forms."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from runtime.kernels.cpu_gemm import (
     DECODE_ROWS,
     CpuGemm,
     Form,
+    _cold_sample,
+    can_pack,
     choose,
     forms_for,
+    pack,
     time_cpu_gemm,
 )
 from tests.tp_workers import tune_gemm_pair
@@ -46,28 +50,35 @@ def test_every_form_computes_the_product(rows, k, blocks, width, extra, dtype):
     a = torch.randn(rows, k).to(dtype)
     b = _stored_transposed(k, n, dtype)
     want = a.float() @ b.float()
-    forms = forms_for(n)
+    forms = forms_for(b)
     assert any(f.kind == "blocked" for f in forms) == (extra == 0)
+    assert any(f.kind == "packed" for f in forms) == can_pack(b)
     for form in forms:
-        got = form(a, b)
+        got = form(a, b, pack(b) if form.kind == "packed" else None)
         assert got.shape == (rows, n) and got.dtype == dtype, form
         assert _close(got, want, dtype), form
 
 
 def test_blocked_forms_need_at_least_two_whole_blocks():
-    assert [f.name for f in forms_for(512)] == ["onednn", "transposed", "blocked128", "blocked256"]
-    assert [f.name for f in forms_for(300)] == ["onednn", "transposed"]
+    packed = ["packed"] if can_pack(_stored_transposed(4, 512, torch.float32)) else []
+    names = ["mm", "transposed", *packed]
+    assert [f.name for f in forms_for(_stored_transposed(4, 512, torch.float32))] == [
+        *names,
+        "blocked128",
+        "blocked256",
+    ]
+    assert [f.name for f in forms_for(_stored_transposed(4, 300, torch.float32))] == names
 
 
 class _Recording:
     """A form that records the rows it was called with."""
 
     def __init__(self, form: Form) -> None:
-        self.form, self.rows = form, []
+        self.form, self.kind, self.rows = form, form.kind, []
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, packed=None) -> torch.Tensor:
         self.rows.append(a.shape[0])
-        return self.form(a, b)
+        return self.form(a, b, packed)
 
 
 def test_a_tuned_table_takes_the_nearest_bucket_and_falls_back_otherwise():
@@ -92,6 +103,41 @@ def test_a_tuned_table_takes_the_nearest_bucket_and_falls_back_otherwise():
     assert few.rows == [1, 3] and many.rows == [9, 64]
 
 
+def test_only_the_shapes_that_chose_the_reordered_weight_keep_one():
+    """The "packed" form multiplies by the matrix's reordered copy, made by ``pack`` for
+    each matrix whose shape chose it in some bucket; a matrix of that shape with no copy
+    (and every other shape) takes its own form or the default."""
+    b, other = (
+        _stored_transposed(64, 512, torch.float32),
+        _stored_transposed(64, 256, torch.float32),
+    )
+    assert can_pack(b), "this torch has no oneDNN reorder (x86 CPU builds have it)"
+    table = {r: Form("packed") if r >= 8 else Form("mm") for r in DECODE_ROWS}
+    gemm = CpuGemm({(64, 512, torch.float32): table, (64, 256, torch.float32): {1: Form("mm")}})
+    gemm.pack([b, other])
+    assert list(gemm.packed) == [(b.data_ptr(), 64, 512)]
+    assert gemm.packed_bytes() >= b.numel() * b.element_size()
+    for rows in (3, 9, 40):
+        a = torch.randn(rows, 64)
+        assert _close(gemm(a, b), a @ b, torch.float32)
+    unpacked = _stored_transposed(64, 512, torch.float32)  # same shape, never packed
+    a = torch.randn(9, 64)
+    assert torch.equal(gemm(a, unpacked), eager.matmul(a, unpacked))
+
+
+def test_a_timing_pass_reads_distinct_matrices():
+    """Copies of the model's matrices make up the bytes asked for (no matrix twice in a
+    pass); the model's own come first, none copied where they are enough."""
+    mats = [_stored_transposed(32, 64, torch.float32) for _ in range(3)]
+    size = 32 * 64 * 4
+    sample = _cold_sample(mats, 7 * size)
+    assert len(sample) == 7 and sample[:3] == mats
+    assert len({m.data_ptr() for m in sample}) == 7
+    assert all(m.shape == (32, 64) and m.stride() == (1, 32) for m in sample)
+    assert all(torch.equal(m, mats[i % 3]) for i, m in enumerate(sample))
+    assert _cold_sample(mats, 2 * size) == mats[:2]
+
+
 def test_tuning_measures_every_shape_and_bucket_once():
     mats = [_stored_transposed(32, 256, torch.float32) for _ in range(3)]
     mats.append(_stored_transposed(256, 32, torch.float32))
@@ -101,12 +147,12 @@ def test_tuning_measures_every_shape_and_bucket_once():
     for (_, n, _), per_rows in timings.items():
         assert sorted(per_rows) == [1, 16]
         for times in per_rows.values():
-            assert set(times) == set(forms_for(n))
+            assert set(times) == set(forms_for(mats[0] if n == 256 else mats[3]))
             assert all(t > 0 for t in times.values())
     table = choose(timings).describe()
     assert set(table) == {"32x256", "256x32"}
     assert set(table["256x32"]) == {"1", "16"}
-    assert all(name in {f.name for f in forms_for(256)} for name in table["32x256"].values())
+    assert all(name in {f.name for f in forms_for(mats[0])} for name in table["32x256"].values())
 
 
 def test_the_ranks_of_a_group_choose_the_same_forms():
@@ -120,9 +166,19 @@ def test_the_ranks_of_a_group_choose_the_same_forms():
     assert set(results[0][0]) == {"64x512"} and set(results[1][0]) == {"64x256"}
 
 
+def test_tuning_without_packing_never_offers_the_reordered_weight():
+    mats = [_stored_transposed(32, 256, torch.float32) for _ in range(2)]
+    timings = time_cpu_gemm(mats, rows=(1, 8), reps=1, packing=False)
+    assert all(f.kind != "packed" for t in timings.values() for fs in t.values() for f in fs)
+    gemm = choose(timings)
+    gemm.pack(mats)
+    assert gemm.packed == {} and gemm.packed_bytes() == 0
+
+
 def test_tuned_and_untuned_engines_give_the_same_greedy_tokens(tmp_path):
     """The tuned forms change only the order of fp32 sums: every mode's greedy tokens
-    match the untuned engine's (tp 2: the ranks tune together)."""
+    match the untuned engine's, with and without reordered weights (tp 2: the ranks tune
+    together)."""
     from runtime.engine import LLM, SamplingParams
     from tests.hardening import hardening_model
 
@@ -131,9 +187,12 @@ def test_tuned_and_untuned_engines_give_the_same_greedy_tokens(tmp_path):
     params = SamplingParams(max_tokens=6)
     for mode in ("deinfer", "dense"):
         tokens = []
-        for tune in (True, False):
-            with LLM(spec, ckpt, tp=2, mode=mode, tune_gemm=tune) as llm:
+        for tune, packing in ((True, True), (True, False), (False, False)):
+            with LLM(spec, ckpt, tp=2, mode=mode, tune_gemm=tune, pack_weights=packing) as llm:
                 tokens.append([o.token_ids for o in llm.generate(prompts, params)])
-                if tune:
-                    assert llm.workers.call("gemm_forms")[0], "nothing was tuned"
-        assert tokens[0] == tokens[1], mode
+                forms = llm.workers.call("gemm_forms")[0]
+                assert bool(forms) == tune, "tuned iff asked"
+                if not packing:
+                    assert llm.workers.call("packed_weight_bytes") == [0, 0]
+                    assert "packed" not in {f for t in forms.values() for f in t.values()}
+        assert tokens[0] == tokens[1] == tokens[2], mode

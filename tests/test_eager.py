@@ -263,17 +263,20 @@ def test_prefill_chunks_cover_every_token_once_in_order(lengths, chunk):
     assert prefill_chunks([5], 512) == [[Piece(0, 0, 5)]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_rope_tables_of_a_cache_context(style):
-    """The context's tables rotate keys at positions 0..L-1 as the reference does."""
+def test_rope_tables_of_a_cache_context(style, dtype):
+    """The context's tables rotate keys at positions 0..L-1 as the reference does, in
+    fp32, the result in the keys' dtype."""
     from dsl.spec import Positions
 
     freqs = inv_freq(Positions(kind="rope", theta=10000.0), 8)
     ctx = cache_context([[0, 1]], [7], 4, freqs, torch.device("cpu"), style)
-    x = randn(7, 2, 8, seed=31)
+    x = randn(7, 2, 8, seed=31).to(dtype)
     want = reference.rope_inplace(x.clone(), torch.arange(7), freqs, torch.tensor([7]), style=style)
     got = eager.rotate(x, ctx.cos[:, None, :], ctx.sin[:, None, :], style)
-    close(got, want, torch.float32, style)
+    assert got.dtype == dtype
+    close(got, want, dtype, style)
 
 
 def test_batch_sampling():

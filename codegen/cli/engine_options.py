@@ -38,6 +38,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "start-up (a few seconds for a 1 GB model) and use the default forms",
     )
     p.add_argument(
+        "--no-weight-packing",
+        dest="pack_weights",
+        action="store_false",
+        help="dynamic path: tune without oneDNN's reordered weights (no second copy of the "
+        "weights in memory; slower from 4 rows on)",
+    )
+    p.add_argument(
         "--up-layout",
         choices=("auto", *UP_LAYOUTS),
         default="auto",
@@ -80,6 +87,7 @@ def open_engine(args: argparse.Namespace):
         path=args.path,
         threads=args.threads,
         tune_gemm=args.tune_gemm,
+        pack_weights=args.pack_weights,
         up_layout=args.up_layout,
         link=args.link,
         heartbeat_s=args.timeout_s or HEARTBEAT_S,

@@ -9,20 +9,19 @@ same gathered logits with the same per-request generator, and rank 0's answer is
 from __future__ import annotations
 
 import numbers
-import os
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from codegen import generated_folder
-from dsl import MODES, Spec, build_plan, load_spec
+from dsl import Spec, build_plan, load_spec
 from dsl.errors import UserError
-from dsl.plan import UP_LAYOUTS
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.launcher import (
@@ -35,10 +34,15 @@ from runtime.dist.launcher import (
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.kv_cache import bytes_per_block
 from runtime.engine.model_runner import ModelRunner, SeqInput
-from runtime.engine.runner_config import PATHS, RunnerConfig, default_path, default_threads
+from runtime.engine.runner_config import (
+    RunnerConfig,
+    backend_for,
+    check_choices,
+    default_path,
+    default_threads,
+)
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
-from runtime.kernels import BACKENDS
 from runtime.model.checkpoint import has_tokenizer
 
 
@@ -74,37 +78,6 @@ def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
     return ModelRunner(rank, world, config)
 
 
-def _check_choices(mode: str, path: str | None, kv: str, up_layout: str) -> None:
-    if up_layout != "auto" and up_layout not in UP_LAYOUTS:
-        raise UserError(
-            f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {up_layout!r}"
-        )
-    if mode not in MODES:
-        raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
-    if path is not None and path not in PATHS:
-        raise UserError(f"path must be one of {', '.join(PATHS)}, found {path!r}")
-    if kv == "latent" and mode != "deinfer":
-        raise UserError(
-            "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
-        )
-
-
-def _backend(backend: str | None, path: str) -> str:
-    """The static path's kernels: triton on a GPU, torch on a CPU; triton on a CPU only
-    in Triton's interpreter (the dynamic path always runs the eager kernels)."""
-    if backend is None:
-        return "triton" if torch.cuda.is_available() else "torch"
-    if backend not in BACKENDS:
-        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
-    runnable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton" and path == "static" and not runnable:
-        raise UserError(
-            "backend triton needs a GPU (or TRITON_INTERPRET=1 to run the kernels in "
-            "Triton's interpreter on the CPU); on a CPU use the default path"
-        )
-    return backend
-
-
 class LLM:
     """The engine. ``spec`` is a parsed ``Spec`` or the path of a spec file (read once);
     ``tp`` replaces the spec's TP degree."""
@@ -130,6 +103,7 @@ class LLM:
         prefill_chunk: int = 512,
         shm_collectives: bool = True,
         tune_gemm: bool = True,
+        pack_weights: bool = True,
         up_layout: str = "auto",
         link: LinkSpec | str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
@@ -137,31 +111,27 @@ class LLM:
         spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.spec = spec if tp is None else spec.with_tp(tp)
         kv = kv_cache or self.spec.runtime.kv_cache
-        _check_choices(mode, path, kv, up_layout)
+        check_choices(mode, path, kv, up_layout)
         self.path = path or default_path()
-        self.backend = _backend(backend, self.path)
+        self.backend = backend_for(backend, self.path)
         self.plan = build_plan(self.spec, modes=(mode,)).modes[mode]
         self.blocks, self.scheduler = self._scheduler(num_blocks, kv, kv_memory_bytes)
         self.link = LinkSpec.parse(link) if isinstance(link, str) else link
         self.threads = threads or default_threads(self.spec.parallel.tp)
-        config = RunnerConfig(
-            spec=self.spec,
-            generated=str(generated_folder(self.spec, generated_root)),
-            checkpoint=str(checkpoint),
-            mode=mode,
-            backend=self.backend,
-            kv_cache=kv,
-            num_blocks=self.blocks.num_blocks,
+        config = self._runner_config(
+            Path(generated_root),
+            str(checkpoint),
+            mode,
+            kv,
             cuda_graphs=cuda_graphs,
             comm_stats=comm_stats,
             overlap=overlap,
             overlap_min_rows=overlap_min_rows,
-            path=self.path,
-            threads=self.threads,
             prefill_chunk=prefill_chunk,
             # with an emulated link every collective must cross it
             shm_collectives=shm_collectives and self.link is None,
             tune_gemm=tune_gemm,
+            pack_weights=pack_weights,
             up_layout=up_layout,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.
@@ -169,6 +139,23 @@ class LLM:
         self._owns_group = False
         self.workers = self._start_workers(config, timeout_s, heartbeat_s)
         self._next_id = 0
+
+    def _runner_config(
+        self, generated_root: Path, checkpoint: str, mode: str, kv: str, **options: Any
+    ) -> RunnerConfig:
+        """What every rank runs: what this engine resolved, plus ``options`` as given."""
+        return RunnerConfig(
+            spec=self.spec,
+            generated=str(generated_folder(self.spec, generated_root)),
+            checkpoint=checkpoint,
+            mode=mode,
+            backend=self.backend,
+            kv_cache=kv,
+            num_blocks=self.blocks.num_blocks,
+            path=self.path,
+            threads=self.threads,
+            **options,
+        )
 
     def _scheduler(
         self, num_blocks: int | None, kv: str, kv_memory_bytes: int

@@ -164,8 +164,10 @@ class ModelRunner:
         if config.path == "dynamic":
             model.prepare_eager()
             if config.tune_gemm and self.device.type == "cpu":
-                timings = sum_over_ranks(time_cpu_gemm(model.matrices()), self.comm.group)
+                timings = time_cpu_gemm(model.matrices(), packing=config.pack_weights)
+                timings = sum_over_ranks(timings, self.comm.group)
                 self.gemm = choose(timings)
+                self.gemm.pack(model.matrices())
                 model.use_gemm(self.gemm)
         return model
 
@@ -282,9 +284,11 @@ class ModelRunner:
         return f.keys(z[:, : f.r_k], ctx.cos, ctx.sin), f.values(z[:, f.r_k :])
 
     def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``Batch.rope_angles``: the eager path's tables [T, 1, head_dim]."""
         if self.static is not None or self.inv_freq is None:
             return None
-        return rope_tables(positions, self.inv_freq, self.spec.model.positions.style)
+        cos, sin = rope_tables(positions, self.inv_freq, self.spec.model.positions.style)
+        return cos[:, None, :], sin[:, None, :]
 
     # --- decode ----------------------------------------------------------------------
 
@@ -365,6 +369,10 @@ class ModelRunner:
         """Per latent-cache layer: (key columns decode copies from the latent, key columns
         this rank rebuilds in all); the copies cost no GEMM (``runtime.model.latent_basis``)."""
         return {i: (f.copies, f.kv_heads * f.head_dim) for i, f in self.latent_factors.items()}
+
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the reordered weight copies the tuned products keep."""
+        return self.gemm.packed_bytes()
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

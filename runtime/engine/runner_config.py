@@ -1,5 +1,6 @@
-"""What one rank is asked to run (``RunnerConfig``) and the defaults chosen from the
-machine: the execution path, the threads per rank, the layout of deinfer's up factors."""
+"""What one rank is asked to run (``RunnerConfig``), the checks of the engine's options,
+and the defaults chosen from the machine: the execution path, the static path's kernels,
+the threads per rank, the layout of deinfer's up factors."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dsl import Spec
-from dsl.plan import UP_REPLICATED, UP_SHARDED
+from dsl import MODES, Spec
+from dsl.errors import UserError
+from dsl.plan import UP_LAYOUTS, UP_REPLICATED, UP_SHARDED
 from runtime.dist.comm import Comm
+from runtime.kernels import BACKENDS
 
 PATHS = ("static", "dynamic")
 
@@ -34,6 +37,38 @@ def up_layout_for(requested: str, comm: Comm) -> str:
     if requested != "auto":
         return requested
     return UP_SHARDED if comm.shm is not None else UP_REPLICATED
+
+
+def check_choices(mode: str, path: str | None, kv: str, up_layout: str) -> None:
+    """One line naming the engine option that is not one of its choices."""
+    if up_layout != "auto" and up_layout not in UP_LAYOUTS:
+        raise UserError(
+            f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {up_layout!r}"
+        )
+    if mode not in MODES:
+        raise UserError(f"mode must be one of {', '.join(MODES)}, found {mode!r}")
+    if path is not None and path not in PATHS:
+        raise UserError(f"path must be one of {', '.join(PATHS)}, found {path!r}")
+    if kv == "latent" and mode != "deinfer":
+        raise UserError(
+            "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
+        )
+
+
+def backend_for(backend: str | None, path: str) -> str:
+    """The static path's kernels: triton on a GPU, torch on a CPU; triton on a CPU only
+    in Triton's interpreter (the dynamic path always runs the eager kernels)."""
+    if backend is None:
+        return "triton" if torch.cuda.is_available() else "torch"
+    if backend not in BACKENDS:
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
+    runnable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and path == "static" and not runnable:
+        raise UserError(
+            "backend triton needs a GPU (or TRITON_INTERPRET=1 to run the kernels in "
+            "Triton's interpreter on the CPU); on a CPU use the default path"
+        )
+    return backend
 
 
 @dataclass(frozen=True)
@@ -60,4 +95,8 @@ class RunnerConfig:
     # Dynamic path on a CPU: measure the fastest form of each weight's product at start-up
     # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
     tune_gemm: bool = True
+    # Tuning may keep a reordered copy of the weights whose shape multiplies fastest from
+    # it (oneDNN's blocked layout; about as many bytes again as those weights); off, the
+    # tuner chooses among the forms that read the weights as stored.
+    pack_weights: bool = True
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS

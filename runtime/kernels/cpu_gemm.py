@@ -1,15 +1,18 @@
 """The dynamic path's matrix products, tuned per machine: for every weight shape of the
 model and every decode row bucket, the fastest of a few ways to compute ``a · W``.
 
-Measured here (AMD EPYC, AVX2, one thread, a [16, 2048] activation against weights
-streamed from memory, median of 5): the single GEMM call that torch makes for
-``F.linear`` or ``torch.mm`` runs at 18-22 GFLOP/s whatever the layout, while the same
-product split into 256-column blocks and run as one batched matmul runs at 39 GFLOP/s
-(2048 x 11264: 41 ms -> 20 ms); for a 5632 x 2048 weight the gain is 1.14x, at one row
-none, and at 2-8 rows the transposed product (W · aᵀ)ᵀ is fastest. Which form wins
-depends on the CPU, the BLAS torch was built with, the thread count and the shape, so the
-runner measures the candidates on the model's own weights once at start-up
-(``time_cpu_gemm``, ``choose``) instead of trusting a table written on another machine.
+Which form wins depends on the CPU, the BLAS torch was built with, the thread count and
+the shape. Measured with weights streamed from memory (median of 5, 16 rows): on an AMD
+EPYC (AVX2, one thread) the single GEMM call of ``F.linear`` ran at 18-22 GFLOP/s while
+the product cut into 256-column blocks and run as one batched matmul ran at 39 (2048 x
+11264: 41 ms -> 20 ms), and at 2-8 rows the transposed product (W · aᵀ)ᵀ was fastest; on
+an Intel Xeon with AVX-512 (two threads) oneDNN with the weight reordered once into its
+own blocked layout ran a 576 x 3072 product in 0.48 ms against 0.70 for MKL's single call
+(MKL repacks the weight on every call, so at few rows its cost is the weight's streaming
+plus its arithmetic, not the larger of the two), while at one or two rows MKL's call was
+fastest. So the runner measures the candidates on the model's own weights once at
+start-up (``time_cpu_gemm``, ``choose``) instead of trusting a table written on another
+machine, and keeps a reordered copy of the weights whose shape chose it (``CpuGemm.pack``).
 
 Every form computes the same product (fp32 sums in a different order: results agree to
 rounding, see ``tests/test_cpu_gemm.py``).
@@ -27,31 +30,43 @@ import torch
 import torch.distributed as dist
 
 from dsl.buckets import nearest_bucket
+from runtime.kernels.eager import ONEDNN_DTYPES, stored_transposed, transposed_product
 from runtime.kernels.eager import matmul as default_matmul
-from runtime.kernels.eager import onednn_linear, stored_transposed, transposed_product
 
 # Decode batches the table is measured at; a product of another row count takes the
 # nearest bucket's form. Above 64 rows (prefill) every form ran within 16% of the others
 # here, so prefill keeps the untuned default.
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 BLOCKS = (128, 256, 512)  # column-block widths tried (each that divides N at least twice)
-# Bytes of weights one timing pass multiplies through: as much as this CPU's L3 (32 MB),
-# so every pass streams the weights from memory as a decode step does.
-COLD_BYTES = 32 << 20
+# Bytes of distinct weights one timing pass multiplies through: several times what a
+# CPU's caches hold, so that every pass streams its weights from memory as a decode step
+# does (each weight is used once per step, after the whole rest of the model). The AMD
+# EPYC above has 32 MB of L3; on the Xeon a 64 MB buffer was read at 52 GB/s, from
+# 128 MB on at 24-26 GB/s, the memory's rate. With 32 MB passes the Xeon timed its
+# products from cache and chose forms 1.3x slower in a real step than the best.
+COLD_BYTES = 256 << 20
+# oneDNN reorders a weight for a row count; from 4 rows on every count gives the same
+# layout (576 x 3072 at 1-64 rows within 3%), one row a 1.5x slower one.
+PACK_ROWS = 16
 
 
 @dataclass(frozen=True)
 class Form:
     """One way to compute a [M, K] · b [K, N], b stored [N, K]."""
 
-    kind: str  # "onednn" | "transposed" | "blocked"
+    kind: str  # "mm" | "packed" | "transposed" | "blocked"
     block: int = 0  # column-block width of "blocked"
 
     @property
     def name(self) -> str:
         return f"blocked{self.block}" if self.kind == "blocked" else self.kind
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``packed``: b reordered by ``pack`` (the "packed" form's operand)."""
+        if self.kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
         if self.kind == "transposed":
             return transposed_product(a, b)
         if self.kind == "blocked":
@@ -59,21 +74,43 @@ class Form:
             n, k = w.shape
             blocks = w.view(n // self.block, self.block, k).transpose(1, 2)
             return torch.matmul(a, blocks).permute(1, 0, 2).reshape(a.shape[0], n)
-        return onednn_linear(a, b)
+        return torch.mm(a, b)  # MKL's single call, as F.linear makes it
 
 
-def forms_for(n: int) -> list[Form]:
-    forms = [Form("onednn"), Form("transposed")]
+def can_pack(b: torch.Tensor) -> bool:
+    return (
+        b.device.type == "cpu"
+        and b.dtype in ONEDNN_DTYPES
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack(b: torch.Tensor) -> torch.Tensor:
+    """b [K, N] (stored [N, K]) in oneDNN's blocked layout, for the "packed" form."""
+    return torch.ops.mkldnn._reorder_linear_weight(b.t(), PACK_ROWS)
+
+
+def forms_for(b: torch.Tensor, packing: bool = True) -> list[Form]:
+    """The candidate forms for matrices like b [K, N] (``packing``: with "packed")."""
+    n = b.shape[1]
+    forms = [Form("mm"), Form("transposed")]
+    forms += [Form("packed")] if packing and can_pack(b) else []
     return forms + [Form("blocked", c) for c in BLOCKS if n % c == 0 and n >= 2 * c]
+
+
+def _key(b: torch.Tensor) -> tuple[int, int, int]:
+    return b.data_ptr(), b.shape[0], b.shape[1]
 
 
 @dataclass
 class CpuGemm:
     """``a · b`` by the measured-fastest form for b's shape and a's row bucket; any
-    product it was not tuned for (other shapes, strided or mixed-dtype operands) goes
-    through ``runtime.kernels.eager.matmul``."""
+    product it was not tuned for (other shapes, strided or mixed-dtype operands, prefill
+    rows) goes through ``runtime.kernels.eager.matmul``."""
 
     forms: dict[tuple[int, int, torch.dtype], dict[int, Form]] = field(default_factory=dict)
+    # b's reordered copy by (address, K, N), for the matrices whose shape uses "packed"
+    packed: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The form for every row count up to the last bucket, looked up once here rather
@@ -83,6 +120,14 @@ class CpuGemm:
             key: [table[nearest_bucket(table, max(1, r))] for r in rows]
             for key, table in self.forms.items()
         }
+
+    def pack(self, matrices: Iterable[torch.Tensor]) -> None:
+        """Keep a reordered copy of each matrix whose shape chose "packed" for a bucket
+        (the matrix itself stays: the other buckets' forms read it)."""
+        for b in matrices:
+            table = self.forms.get((b.shape[0], b.shape[1], b.dtype), {})
+            if any(f.kind == "packed" for f in table.values()) and stored_transposed(b):
+                self.packed[_key(b)] = pack(b)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         by_rows = self._by_rows.get((b.shape[0], b.shape[1], b.dtype))
@@ -94,7 +139,17 @@ class CpuGemm:
             or not stored_transposed(b)
         ):
             return default_matmul(a, b)
-        return by_rows[a.shape[0]](a.contiguous(), b)
+        form = by_rows[a.shape[0]]
+        if form.kind != "packed":
+            return form(a.contiguous(), b)
+        packed = self.packed.get(_key(b))
+        if packed is None:  # a matrix of this shape that was not packed
+            return default_matmul(a, b)
+        return form(a.contiguous(), b, packed)
+
+    def packed_bytes(self) -> int:
+        """Memory the reordered copies take (beside the matrices themselves)."""
+        return sum(p.numel() * p.element_size() for p in self.packed.values())
 
     def describe(self) -> dict[str, dict[str, str]]:
         """{"KxN": {rows: form}} for benchmark reports."""
@@ -107,43 +162,71 @@ class CpuGemm:
 Timings = dict[tuple[int, int, torch.dtype], dict[int, dict[Form, float]]]
 
 
-def _pass_time(form: Form, a: torch.Tensor, weights: list[torch.Tensor]) -> float:
+def _pass_time(
+    form: Form, a: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]
+) -> float:
     start = time.perf_counter()
-    for b in weights:
-        form(a, b)
+    for b, p in zip(weights, packed, strict=True):
+        form(a, b, p)
     return time.perf_counter() - start
 
 
-def _time_forms(weights: list[torch.Tensor], rows: int, reps: int) -> dict[Form, float]:
+def _time_forms(
+    weights: list[torch.Tensor], rows: int, reps: int, packing: bool
+) -> dict[Form, float]:
     """Median pass time of every form, the forms interleaved per repetition (so a drift
     of the machine's speed hits them all alike)."""
-    k, n = weights[0].shape
+    k = weights[0].shape[0]
     a = torch.randn(rows, k, dtype=weights[0].dtype)
-    forms = forms_for(n)
+    forms = forms_for(weights[0], packing)
+    uses_packed = any(f.kind == "packed" for f in forms)
+    packed = [pack(b) if uses_packed else None for b in weights]
     times: dict[Form, list[float]] = {f: [] for f in forms}
     for f in forms:  # warm-up: oneDNN builds its primitive on the first call of a shape
-        f(a, weights[0])
+        f(a, weights[0], packed[0])
     for _ in range(reps):
         for f in forms:
-            times[f].append(_pass_time(f, a, weights))
+            times[f].append(_pass_time(f, a, weights, packed))
     return {f: statistics.median(t) for f, t in times.items()}
 
 
+def _nbytes(b: torch.Tensor) -> int:
+    return b.numel() * b.element_size()
+
+
+def _cold_sample(mats: list[torch.Tensor], target: int) -> list[torch.Tensor]:
+    """At least ``target`` bytes of distinct matrices of one shape: the model's own, then
+    copies of them (a pass that met the same matrix twice would time it from cache)."""
+    count = max(1, math.ceil(target / _nbytes(mats[0])))
+    sample = mats[:count]
+    while len(sample) < count:
+        sample.append(mats[len(sample) % len(mats)].t().clone().t())
+    return sample
+
+
 def time_cpu_gemm(
-    matrices: Iterable[torch.Tensor], rows: tuple[int, ...] = DECODE_ROWS, reps: int = 2
+    matrices: Iterable[torch.Tensor],
+    rows: tuple[int, ...] = DECODE_ROWS,
+    reps: int = 2,
+    cold_bytes: int = COLD_BYTES,
+    packing: bool = True,
 ) -> Timings:
     """Every form timed on the model's own matrices (b [K, N] views of [N, K] storage,
-    as the dynamic path keeps them), per distinct shape and row bucket."""
+    as the dynamic path keeps them), per distinct shape and row bucket. Each pass reads
+    ``cold_bytes`` of distinct matrices, or the whole model's where that is less: a model
+    that fits in the caches is multiplied from them in a real step too. ``packing``:
+    "packed" among the forms (its choice keeps a reordered copy of the weights)."""
     groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for b in matrices:
         if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
             groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
+    target = min(cold_bytes, sum(_nbytes(b) for mats in groups.values() for b in mats))
     timings: Timings = {}
     with torch.inference_mode():
         for key, mats in sorted(groups.items(), key=lambda kv: kv[0][:2]):
-            per_pass = max(1, math.ceil(COLD_BYTES / (mats[0].numel() * mats[0].element_size())))
-            sample = [mats[i % len(mats)] for i in range(min(per_pass, 4 * len(mats)))]
-            timings[key] = {r: _time_forms(sample, r, reps) for r in rows}
+            sample = _cold_sample(mats, target)
+            timings[key] = {r: _time_forms(sample, r, reps, packing) for r in rows}
+            del sample
     return timings
 
 

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from runtime.kernels import reference
 from runtime.kernels.reference import Segments, apply_norm
 
-# oneDNN's linear reads an [out, in] weight. Measured here (2 threads, the 30 layers of
-# the 135M model, weights streamed from memory, median of 15 interleaved runs): 84 ms
-# at 16 rows against 121 ms for MKL through F.linear and 143 ms for ``a @ b`` with b
-# [in, out]; 10 vs 17 ms for the 49152-row LM head at one row. So the dynamic path
-# stores every matrix transposed and multiplies through it.
+# oneDNN's linear reads an [out, in] weight. Measured on an AMD EPYC (AVX2; 2 threads,
+# the 30 layers of the 135M model, weights streamed from memory, median of 15
+# interleaved runs): 84 ms at 16 rows against 121 ms for MKL through F.linear and 143 ms
+# for ``a @ b`` with b [in, out]; 10 vs 17 ms for the 49152-row LM head at one row. So
+# the dynamic path stores every matrix transposed and multiplies through it.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_ONEDNN_DTYPES = (torch.float32,) + (
+ONEDNN_DTYPES = (torch.float32,) + (
     (torch.bfloat16,)
     if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # needs AVX-512 BF16/AMX
     else ()
@@ -37,9 +37,9 @@ def stored_transposed(b: torch.Tensor) -> bool:
 
 
 # Between 16 and 64 rows, computing the product transposed, (W · aᵀ)ᵀ with W [out, in],
-# was faster still (same 30 layers: 63 vs 76 ms at 16 rows, 116 vs 127 at 32, 141 vs 177
-# at 64; equal at 12, slower below). This is the untuned default; the runner replaces it
-# with the forms it measures on the machine (``runtime.kernels.cpu_gemm``).
+# was faster still there (same 30 layers: 63 vs 76 ms at 16 rows, 116 vs 127 at 32, 141
+# vs 177 at 64; equal at 12, slower below). This is the untuned default; the runner
+# replaces it with the forms it measures on the machine (``runtime.kernels.cpu_gemm``).
 _TRANSPOSED_ROWS = range(16, 65)
 
 
@@ -60,7 +60,7 @@ def transposed_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a · b through oneDNN's linear (b stored transposed), where torch has it."""
-    if _ONEDNN and a.dtype in _ONEDNN_DTYPES:
+    if _ONEDNN and a.dtype in ONEDNN_DTYPES:
         return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
     return a @ b
 
@@ -165,13 +165,16 @@ def rope_pair_order(head_dim: int, style: str) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """RoPE of x [..., head_dim] with tables from ``rope_tables`` broadcast to it, in fp32
-    (four ops: the pairs of a rotation are swapped by a roll or a flip)."""
+    """RoPE of x [..., head_dim] with tables from ``rope_tables`` broadcast to it, in fp32,
+    the result in x's dtype (four ops in fp32: the pairs of a rotation are swapped by a
+    roll or a flip)."""
     if style == "neox":
         swapped = x.roll(x.shape[-1] // 2, -1)
     else:
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x.float() * cos + swapped.float() * sin
+    if x.dtype == torch.float32:
+        return (x * cos).add_(swapped * sin)
+    return (x.float() * cos + swapped.float() * sin).to(x.dtype)
 
 
 def rope_inplace(
@@ -185,7 +188,7 @@ def rope_inplace(
     """Rotate x[:n] [rows, heads, head_dim] in place at ``positions``."""
     n = int(n_valid[0])
     cos, sin = rope_tables(positions[:n], inv_freq, style)
-    x[:n] = rotate(x[:n], cos[:, None, :], sin[:, None, :], style).to(x.dtype)
+    x[:n] = rotate(x[:n], cos[:, None, :], sin[:, None, :], style)
     return x
 
 
@@ -203,14 +206,19 @@ def grouped_attention(
 ) -> torch.Tensor:
     """One query per sequence against its keys, GQA without repeating K/V.
 
-    q [B, H, D]; k, v [B, L, KVH, D]; valid bool [B, L]. The H / KVH query heads that
-    share a KV head become that head's query rows, so the grouped scores are one batched
-    matmul over the real K. Every sequence needs a valid key (else NaN)."""
+    q [B, H, D]; k, v [B, L, KVH, D]; valid bool [B, L], or already as attention
+    broadcasts it, [B, 1, 1, L], bool or an additive mask (0 and -inf). The H / KVH
+    query heads that share a KV head become that head's query rows, so the grouped
+    scores are one batched matmul over the real K. Every sequence needs a valid key
+    (else NaN)."""
     batch, heads, d = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(batch, kv_heads, heads // kv_heads, d)
+    mask = valid if valid.dim() == 4 else valid[:, None, None, :]
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.reshape(batch, heads, -1)
 

