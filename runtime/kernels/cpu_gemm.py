@@ -35,7 +35,7 @@ from runtime.kernels.eager import matmul as default_matmul
 
 # Decode batches the table is measured at; a product of another row count takes the
 # nearest bucket's form. Above 64 rows (prefill) every form ran within 16% of the others
-# here, so prefill keeps the untuned default.
+# on the AMD EPYC below, so prefill keeps the untuned default.
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 BLOCKS = (128, 256, 512)  # column-block widths tried (each that divides N at least twice)
 # Bytes of distinct weights one timing pass multiplies through: several times what a
@@ -172,15 +172,15 @@ def _pass_time(
 
 
 def _time_forms(
-    weights: list[torch.Tensor], rows: int, reps: int, packing: bool
+    forms: list[Form],
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor | None],
+    rows: int,
+    reps: int,
 ) -> dict[Form, float]:
     """Median pass time of every form, the forms interleaved per repetition (so a drift
-    of the machine's speed hits them all alike)."""
-    k = weights[0].shape[0]
-    a = torch.randn(rows, k, dtype=weights[0].dtype)
-    forms = forms_for(weights[0], packing)
-    uses_packed = any(f.kind == "packed" for f in forms)
-    packed = [pack(b) if uses_packed else None for b in weights]
+    of the machine's speed hits them all alike); ``packed``: the weights reordered."""
+    a = torch.randn(rows, weights[0].shape[0], dtype=weights[0].dtype)
     times: dict[Form, list[float]] = {f: [] for f in forms}
     for f in forms:  # warm-up: oneDNN builds its primitive on the first call of a shape
         f(a, weights[0], packed[0])
@@ -225,8 +225,11 @@ def time_cpu_gemm(
     with torch.inference_mode():
         for key, mats in sorted(groups.items(), key=lambda kv: kv[0][:2]):
             sample = _cold_sample(mats, target)
-            timings[key] = {r: _time_forms(sample, r, reps, packing) for r in rows}
-            del sample
+            forms = forms_for(sample[0], packing)
+            reordered = any(f.kind == "packed" for f in forms)
+            packed = [pack(b) if reordered else None for b in sample]  # once for all rows
+            timings[key] = {r: _time_forms(forms, sample, packed, r, reps) for r in rows}
+            del sample, packed
     return timings
 
 
