@@ -141,6 +141,18 @@ def test_bench_against_transformers_and_the_floor(tmp_path):
     assert "| hf tp1 b2 |" in table and "GB/s" in table
 
 
+def test_bench_rows_record_the_reordered_weights_and_can_go_without():
+    """A row records its rank's reordered weight copies, there exactly when a tuned form
+    uses them; ``pack_weights=False`` starts the engines without any."""
+    for packing in (True, False):
+        results = run_bench(_tiny_bench(modes=("dense",), hf=False, reps=1, pack_weights=packing))
+        (row,) = results["variants"]
+        forms = {f for table in row["gemm_forms"].values() for f in table.values()}
+        assert (row["packed_weight_bytes_per_rank"] > 0) == ("packed" in forms)
+        if not packing:
+            assert row["packed_weight_bytes_per_rank"] == 0 and "packed" not in forms
+
+
 # The paper's settings (requests, prompt tokens, max tokens) and the scale of each preset.
 PAPER_LOADS = {"paper-high-load-cpu": (512, 32, 160, 32), "paper-mild-load-cpu": (64, 64, 512, 16)}
 

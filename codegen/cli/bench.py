@@ -43,6 +43,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="one all-gather instead of the ring overlapped with the up GEMM",
     )
     p.add_argument(
+        "--no-weight-packing",
+        action="store_true",
+        help="engines tune their products without oneDNN's reordered weights (no second "
+        "copy of the weights in memory)",
+    )
+    p.add_argument(
         "--lockstep",
         action="store_true",
         help="run the engine rows of each batch in lockstep: a decode step of each in turn, "
@@ -160,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:
         cfg = replace(cfg, overlap=False)
+    if args.no_weight_packing:
+        cfg = replace(cfg, pack_weights=False)
     bar = tqdm(desc="bench", unit="run", file=sys.stderr)
 
     def progress(message: str) -> None:

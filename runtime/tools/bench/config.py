@@ -41,6 +41,9 @@ class BenchConfig:
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
     up_layouts: tuple[str, ...] = ("auto",)
+    # Engines tune their products with oneDNN's reordered weights (RunnerConfig.pack_weights:
+    # a second copy of most weights in memory)
+    pack_weights: bool = True
     # Throughput runs of the engine rows of one batch take their steps in turn, each
     # engine timed over its own (``measure.lockstep_runs``); transformers rows run alone.
     # Not with links: rows that differ only in their link share one engine.
@@ -91,6 +94,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lockstep": True,
         "hf": True,
         "up_layouts": ("auto", "replicated"),
+        # The eight engines live at once (lockstep); with reordered weight copies beside
+        # the weights a rank was killed for memory on this 24 GB machine. Every mode runs
+        # the same unpacked forms.
+        "pack_weights": False,
     },
     # The CPU path against transformers on a 135M Llama (the shape of SmolLM2-135M) at
     # full rank: batch 1 and 16, and the step time with a 16x longer max_seq_len. In

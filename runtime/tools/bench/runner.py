@@ -214,6 +214,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         threads=cfg.threads,
         link=link if v.tp > 1 else None,
         up_layout=v.up_layout,
+        pack_weights=cfg.pack_weights,
     )
     return llm, spec
 
