@@ -61,7 +61,7 @@ def test_every_form_computes_the_product(rows, k, blocks, width, extra, dtype):
 
 def test_blocked_forms_need_at_least_two_whole_blocks():
     packed = ["packed"] if can_pack(_stored_transposed(4, 512, torch.float32)) else []
-    names = ["mm", "transposed", *packed]
+    names = ["mm", "onednn", "transposed", *packed]
     assert [f.name for f in forms_for(_stored_transposed(4, 512, torch.float32))] == [
         *names,
         "blocked128",

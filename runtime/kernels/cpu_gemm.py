@@ -10,9 +10,11 @@ an Intel Xeon with AVX-512 (two threads) oneDNN with the weight reordered once i
 own blocked layout ran a 576 x 3072 product in 0.48 ms against 0.70 for MKL's single call
 (MKL repacks the weight on every call, so at few rows its cost is the weight's streaming
 plus its arithmetic, not the larger of the two), while at one or two rows MKL's call was
-fastest. So the runner measures the candidates on the model's own weights once at
-start-up (``time_cpu_gemm``, ``choose``) instead of trusting a table written on another
-machine, and keeps a reordered copy of the weights whose shape chose it (``CpuGemm.pack``).
+fastest, and with one thread per rank at 8 rows oneDNN reading the weight as stored won
+several of cpu-demo's 2048-wide shapes. So the runner measures the candidates on the
+model's own weights once at start-up (``time_cpu_gemm``, ``choose``) instead of trusting
+a table written on another machine, and keeps a reordered copy of the weights whose shape
+chose it (``CpuGemm.pack``).
 
 Every form computes the same product (fp32 sums in a different order: results agree to
 rounding, see ``tests/test_cpu_gemm.py``).
@@ -30,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 from dsl.buckets import nearest_bucket
-from runtime.kernels.eager import ONEDNN_DTYPES, stored_transposed, transposed_product
+from runtime.kernels.eager import (
+    ONEDNN_DTYPES,
+    onednn_linear,
+    stored_transposed,
+    transposed_product,
+)
 from runtime.kernels.eager import matmul as default_matmul
 
 # Decode batches the table is measured at; a product of another row count takes the
@@ -54,7 +61,7 @@ PACK_ROWS = 16
 class Form:
     """One way to compute a [M, K] · b [K, N], b stored [N, K]."""
 
-    kind: str  # "mm" | "packed" | "transposed" | "blocked"
+    kind: str  # "mm" | "onednn" | "packed" | "transposed" | "blocked"
     block: int = 0  # column-block width of "blocked"
 
     @property
@@ -67,6 +74,8 @@ class Form:
         """``packed``: b reordered by ``pack`` (the "packed" form's operand)."""
         if self.kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        if self.kind == "onednn":  # the weight as stored, reordered by oneDNN per call
+            return onednn_linear(a, b)
         if self.kind == "transposed":
             return transposed_product(a, b)
         if self.kind == "blocked":
@@ -93,7 +102,7 @@ def pack(b: torch.Tensor) -> torch.Tensor:
 def forms_for(b: torch.Tensor, packing: bool = True) -> list[Form]:
     """The candidate forms for matrices like b [K, N] (``packing``: with "packed")."""
     n = b.shape[1]
-    forms = [Form("mm"), Form("transposed")]
+    forms = [Form("mm"), Form("onednn"), Form("transposed")]
     forms += [Form("packed")] if packing and can_pack(b) else []
     return forms + [Form("blocked", c) for c in BLOCKS if n % c == 0 and n >= 2 * c]
 
