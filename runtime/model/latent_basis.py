@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 
 from dsl.plan import LayerPlan
-from dsl.sharding import COLS, ROWS
 from runtime.kernels.eager import rope_pair_order
-from runtime.model.shard import FactorSource, slice_padded
+from runtime.model.shard import DictSource, FactorSource
 
 # The largest |entry| of S⁻¹·U_k for which the basis is changed: each rebuilt key column
 # sums latent columns times these entries, so their rounding grows with them (the greedy
@@ -70,9 +69,8 @@ def _choose(u: torch.Tensor, pairs: list[list[tuple[int, int]]]) -> list[list[in
     product from one product qᵀU of the fixed U (0.14 s against 0.35 s for updating a
     residual matrix, at Llama-3-70B's r_k = 614 over 8 ranks' 1024 columns)."""
     r = u.shape[0]
-    flat = [(g, i, a, b) for g, group in enumerate(pairs) for i, (a, b) in enumerate(group)]
-    a_cols = torch.tensor([a for _, _, a, _ in flat])
-    b_cols = torch.tensor([b for _, _, _, b in flat])
+    a_cols = torch.tensor([a for group in pairs for a, _ in group])  # every group's pairs
+    b_cols = torch.tensor([b for group in pairs for _, b in group])  # one after another
     starts = [0]
     for group in pairs:
         starts.append(starts[-1] + len(group))
@@ -153,14 +151,10 @@ class CopyBasisSource:
         groups = tuple(dict.fromkeys(plan.factor("k.u").ranges))
         if any(stop > u.shape[1] or (stop - start) % head_dim for start, stop in groups):
             groups = ((0, u.shape[1]),)
-        self.factors = copy_basis(d, u, groups, head_dim, rope_style)
+        basis = copy_basis(d, u, groups, head_dim, rope_style)
+        self.k = None if basis is None else DictSource({"k.v": basis[0], "k.u": basis[1]})
 
     def factor(self, tensor: str, split: str, start: int, stop: int) -> torch.Tensor:
-        if self.factors is None or tensor not in ("k.v", "k.u"):
+        if self.k is None or tensor not in ("k.v", "k.u"):
             return self.source.factor(tensor, split, start, stop)
-        t = self.factors[0] if tensor == "k.v" else self.factors[1]
-        if split == COLS:
-            return slice_padded(t, 1, start, stop)
-        if split == ROWS:
-            return slice_padded(t, 0, start, stop)
-        return t.contiguous()
+        return self.k.factor(tensor, split, start, stop)

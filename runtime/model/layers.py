@@ -118,8 +118,8 @@ class DecoderLayer(nn.Module):
         return partial(kernel, gemm=self.s.gemm) if self.s.backend == "eager" else kernel
 
     def rope(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated; a new tensor (the eager tables rotate a view
-        as it is, the kernels a contiguous copy)."""
+        """x [T, heads, head_dim] rotated (the eager tables rotate a view as it is; the
+        kernels, and attention without RoPE, get it contiguous)."""
         if batch.rope_angles is not None:
             cos, sin = batch.rope_angles
             return eager.rotate(x, cos, sin, self.s.model.positions.style)
