@@ -20,7 +20,6 @@ from runtime.kernels.cpu_gemm import (
     can_pack,
     choose,
     forms_for,
-    pack,
     time_cpu_gemm,
 )
 from tests.tp_workers import tune_gemm_pair
@@ -53,15 +52,16 @@ def test_every_form_computes_the_product(rows, k, blocks, width, extra, dtype):
     forms = forms_for(b)
     assert any(f.kind == "blocked" for f in forms) == (extra == 0)
     assert any(f.kind == "packed" for f in forms) == can_pack(b)
+    assert any(f.kind == "panel" for f in forms) == (dtype == torch.float32)
     for form in forms:
-        got = form(a, b, pack(b) if form.kind == "packed" else None)
+        got = form(a, b, form.reorder(b) if form.reorders else None)
         assert got.shape == (rows, n) and got.dtype == dtype, form
         assert _close(got, want, dtype), form
 
 
 def test_blocked_forms_need_at_least_two_whole_blocks():
     packed = ["packed"] if can_pack(_stored_transposed(4, 512, torch.float32)) else []
-    names = ["mm", "onednn", "transposed", *packed]
+    names = ["mm", "onednn", "transposed", *packed, "panel"]
     assert [f.name for f in forms_for(_stored_transposed(4, 512, torch.float32))] == [
         *names,
         "blocked128",
@@ -75,6 +75,7 @@ class _Recording:
 
     def __init__(self, form: Form) -> None:
         self.form, self.kind, self.rows = form, form.kind, []
+        self.reorders = form.reorders
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, packed=None) -> torch.Tensor:
         self.rows.append(a.shape[0])
@@ -115,7 +116,7 @@ def test_only_the_shapes_that_chose_the_reordered_weight_keep_one():
     table = {r: Form("packed") if r >= 8 else Form("mm") for r in DECODE_ROWS}
     gemm = CpuGemm({(64, 512, torch.float32): table, (64, 256, torch.float32): {1: Form("mm")}})
     gemm.pack([b, other])
-    assert list(gemm.packed) == [(b.data_ptr(), 64, 512)]
+    assert list(gemm.packed) == [("packed", b.data_ptr(), 64, 512)]
     assert gemm.packed_bytes() >= b.numel() * b.element_size()
     for rows in (3, 9, 40):
         a = torch.randn(rows, 64)

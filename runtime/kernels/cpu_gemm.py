@@ -39,6 +39,7 @@ from runtime.kernels.eager import (
     transposed_product,
 )
 from runtime.kernels.eager import matmul as default_matmul
+from runtime.kernels.panel import panel_library
 
 # Decode batches the table is measured at; a product of another row count takes the
 # nearest bucket's form. Above 64 rows (prefill) every form ran within 16% of the others
@@ -61,19 +62,30 @@ PACK_ROWS = 16
 class Form:
     """One way to compute a [M, K] · b [K, N], b stored [N, K]."""
 
-    kind: str  # "mm" | "onednn" | "packed" | "transposed" | "blocked"
+    kind: str  # "mm" | "onednn" | "packed" | "panel" | "transposed" | "blocked"
     block: int = 0  # column-block width of "blocked"
 
     @property
     def name(self) -> str:
         return f"blocked{self.block}" if self.kind == "blocked" else self.kind
 
+    @property
+    def reorders(self) -> bool:
+        """Whether the form multiplies by a copy of b in its own layout (``reorder``)."""
+        return self.kind in ("packed", "panel")
+
+    def reorder(self, b: torch.Tensor) -> torch.Tensor:
+        """b's copy in this form's layout: oneDNN's blocks or the native kernel's panels."""
+        return pack(b) if self.kind == "packed" else panel_library().pack(b)
+
     def __call__(
         self, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``packed``: b reordered by ``pack`` (the "packed" form's operand)."""
+        """``packed``: b reordered by ``reorder`` (the operand of the forms that reorder)."""
         if self.kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        if self.kind == "panel":
+            return panel_library().product(a, packed, b.shape[1])
         if self.kind == "onednn":  # the weight as stored, reordered by oneDNN per call
             return onednn_linear(a, b)
         if self.kind == "transposed":
@@ -99,16 +111,23 @@ def pack(b: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(b.t(), PACK_ROWS)
 
 
+def can_panel(b: torch.Tensor) -> bool:
+    """Whether the native kernel (fp32 only) is built here and takes b."""
+    return b.device.type == "cpu" and b.dtype == torch.float32 and panel_library() is not None
+
+
 def forms_for(b: torch.Tensor, packing: bool = True) -> list[Form]:
-    """The candidate forms for matrices like b [K, N] (``packing``: with "packed")."""
+    """The candidate forms for matrices like b [K, N] (``packing``: with the forms that
+    keep a reordered copy of the weight, "packed" and "panel")."""
     n = b.shape[1]
     forms = [Form("mm"), Form("onednn"), Form("transposed")]
     forms += [Form("packed")] if packing and can_pack(b) else []
+    forms += [Form("panel")] if packing and can_panel(b) else []
     return forms + [Form("blocked", c) for c in BLOCKS if n % c == 0 and n >= 2 * c]
 
 
-def _key(b: torch.Tensor) -> tuple[int, int, int]:
-    return b.data_ptr(), b.shape[0], b.shape[1]
+def _key(kind: str, b: torch.Tensor) -> tuple[str, int, int, int]:
+    return kind, b.data_ptr(), b.shape[0], b.shape[1]
 
 
 @dataclass
@@ -118,8 +137,9 @@ class CpuGemm:
     rows) goes through ``runtime.kernels.eager.matmul``."""
 
     forms: dict[tuple[int, int, torch.dtype], dict[int, Form]] = field(default_factory=dict)
-    # b's reordered copy by (address, K, N), for the matrices whose shape uses "packed"
-    packed: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    # b's reordered copies by (form kind, address, K, N), for the matrices whose shape
+    # uses a form that reorders
+    packed: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The form for every row count up to the last bucket, looked up once here rather
@@ -131,12 +151,14 @@ class CpuGemm:
         }
 
     def pack(self, matrices: Iterable[torch.Tensor]) -> None:
-        """Keep a reordered copy of each matrix whose shape chose "packed" for a bucket
-        (the matrix itself stays: the other buckets' forms read it)."""
+        """Keep a reordered copy of each matrix for each form that reorders and that its
+        shape chose for a bucket (the matrix itself stays: prefill and the other
+        buckets' forms read it)."""
         for b in matrices:
             table = self.forms.get((b.shape[0], b.shape[1], b.dtype), {})
-            if any(f.kind == "packed" for f in table.values()) and stored_transposed(b):
-                self.packed[_key(b)] = pack(b)
+            for form in sorted({f for f in table.values() if f.reorders}, key=str):
+                if stored_transposed(b):
+                    self.packed[_key(form.kind, b)] = form.reorder(b)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         by_rows = self._by_rows.get((b.shape[0], b.shape[1], b.dtype))
@@ -149,9 +171,9 @@ class CpuGemm:
         ):
             return default_matmul(a, b)
         form = by_rows[a.shape[0]]
-        if form.kind != "packed":
+        if not form.reorders:
             return form(a.contiguous(), b)
-        packed = self.packed.get(_key(b))
+        packed = self.packed.get(_key(form.kind, b))
         if packed is None:  # a matrix of this shape that was not packed
             return default_matmul(a, b)
         return form(a.contiguous(), b, packed)
@@ -172,7 +194,7 @@ Timings = dict[tuple[int, int, torch.dtype], dict[int, dict[Form, float]]]
 
 
 def _pass_time(
-    form: Form, a: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]
+    form: Form, a: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor | None]
 ) -> float:
     start = time.perf_counter()
     for b, p in zip(weights, packed, strict=True):
@@ -183,19 +205,20 @@ def _pass_time(
 def _time_forms(
     forms: list[Form],
     weights: list[torch.Tensor],
-    packed: list[torch.Tensor | None],
+    copies: dict[Form, list[torch.Tensor | None]],
     rows: int,
     reps: int,
 ) -> dict[Form, float]:
     """Median pass time of every form, the forms interleaved per repetition (so a drift
-    of the machine's speed hits them all alike); ``packed``: the weights reordered."""
+    of the machine's speed hits them all alike); ``copies``: the weights as each form
+    that reorders keeps them."""
     a = torch.randn(rows, weights[0].shape[0], dtype=weights[0].dtype)
     times: dict[Form, list[float]] = {f: [] for f in forms}
     for f in forms:  # warm-up: oneDNN builds its primitive on the first call of a shape
-        f(a, weights[0], packed[0])
+        f(a, weights[0], copies[f][0])
     for _ in range(reps):
         for f in forms:
-            times[f].append(_pass_time(f, a, weights, packed))
+            times[f].append(_pass_time(f, a, weights, copies[f]))
     return {f: statistics.median(t) for f, t in times.items()}
 
 
@@ -235,10 +258,12 @@ def time_cpu_gemm(
         for key, mats in sorted(groups.items(), key=lambda kv: kv[0][:2]):
             sample = _cold_sample(mats, target)
             forms = forms_for(sample[0], packing)
-            reordered = any(f.kind == "packed" for f in forms)
-            packed = [pack(b) if reordered else None for b in sample]  # once for all rows
-            timings[key] = {r: _time_forms(forms, sample, packed, r, reps) for r in rows}
-            del sample, packed
+            unordered: list[torch.Tensor | None] = [None] * len(sample)
+            copies = {  # made once for all rows
+                f: [f.reorder(b) for b in sample] if f.reorders else unordered for f in forms
+            }
+            timings[key] = {r: _time_forms(forms, sample, copies, r, reps) for r in rows}
+            del sample, copies
     return timings
 
 
@@ -261,8 +286,28 @@ def sum_over_ranks(timings: Timings, group: dist.ProcessGroup | None = None) -> 
     }
 
 
+def _fastest(per_rows: dict[int, dict[Form, float]]) -> dict[int, Form]:
+    """The fastest form per row bucket of one shape, with at most one of the forms that
+    reorder (each keeps a whole copy of the weights): the one that more buckets chose,
+    or, tied, the one of least summed time. On the Xeon, oneDNN's "packed" won only the
+    64-row bucket of shapes where "panel" won the rest, and would have doubled the
+    copies' memory for it."""
+    best = {r: min(fs, key=fs.__getitem__) for r, fs in per_rows.items()}
+    reordering = {f for f in best.values() if f.reorders}
+    if len(reordering) <= 1:
+        return best
+
+    def preference(form: Form) -> tuple[int, float]:
+        won = sum(f == form for f in best.values())
+        return -won, sum(fs[form] for fs in per_rows.values())
+
+    kept = min(reordering, key=preference)
+    return {
+        r: min((f for f in fs if f == kept or not f.reorders), key=fs.__getitem__)
+        for r, fs in per_rows.items()
+    }
+
+
 def choose(timings: Timings) -> CpuGemm:
-    """The fastest form per shape and row bucket."""
-    return CpuGemm(
-        {key: {r: min(fs, key=fs.__getitem__) for r, fs in t.items()} for key, t in timings.items()}
-    )
+    """The fastest form per shape and row bucket (``_fastest``)."""
+    return CpuGemm({key: _fastest(per_rows) for key, per_rows in timings.items()})
