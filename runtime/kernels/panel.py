@@ -54,11 +54,13 @@ class PanelLibrary:
             raise ValueError(f"panel product: fp32 a [M, K] and panels, found {found}")
         if tuple(panels.shape) != want or not panels.is_contiguous():
             raise ValueError(f"panel product: panels of shape {want}, found {tuple(panels.shape)}")
-        at = a.t().contiguous()  # [K, M]: row k holds the k-th value of every row
+        a = a.contiguous()
         c = torch.empty(a.shape[0], n, dtype=a.dtype)
-        self.lib.panel_product(
-            at.data_ptr(), panels.data_ptr(), c.data_ptr(), a.shape[0], a.shape[1], n
+        failed = self.lib.panel_product(
+            a.data_ptr(), panels.data_ptr(), c.data_ptr(), a.shape[0], k, n
         )
+        if failed:
+            raise MemoryError(f"panel product: no scratch for a of shape {tuple(a.shape)}")
         return c
 
 
@@ -87,7 +89,7 @@ def build_library(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     lib.panel_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.panel_product.restype = None
+    lib.panel_product.restype = ctypes.c_int
     return PanelLibrary(lib, int(lib.panel_width()))
 
 

@@ -3,8 +3,8 @@
  *
  * W is stored once in panels of VEC output columns, [ceil(N / VEC)][K][VEC], so a
  * panel is one sequential stream. Each of up to ROWS rows keeps one accumulator vector
- * per panel: per k, one weight vector times each row's k-th value (a is passed
- * transposed, at [K][M], so those M values share one cache line).
+ * per panel: per k, one weight vector times each row's k-th value (a is transposed
+ * first, into at [K][M], so those M values share one cache line).
  *
  * Why not the BLAS: at 16 rows a product reads each weight once and does 32 FLOPs per
  * 4 bytes, so the stream of its weights from memory and its arithmetic take similar
@@ -16,6 +16,7 @@
  * weights alone stream in ~0.3 ms. The 576 x 49152 LM head at 16 rows: 7.6 -> 6.1 ms. */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -73,10 +74,29 @@ static inline __attribute__((always_inline)) void panel(
     if (n <= ROWS) panel(at + r0, m, wp, k, c + r0 * nn + p * VEC, nn, n, nn - p * VEC); \
     break;
 
-/* at [k][m] (a transposed), packed [ceil(nn / VEC)][k][VEC] (zero past column nn),
- * c [m][nn]; the panels are shared out over the OpenMP threads in contiguous runs. */
-void panel_product(const float *at, const float *packed, float *c, int64_t m, int64_t k,
-                   int64_t nn) {
+/* a transposed into this thread's scratch (kept between calls: a decode step makes
+ * hundreds of these products, and one allocation per call page-faults large ones) */
+static const float *transposed(const float *a, int64_t m, int64_t k) {
+  static __thread float *scratch = NULL;
+  static __thread int64_t capacity = 0;
+  if (m * k > capacity) {
+    free(scratch);
+    scratch = malloc((size_t)(m * k) * sizeof(float));
+    capacity = scratch ? m * k : 0;
+    if (!scratch) return NULL;
+  }
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t j = 0; j < k; j++) scratch[j * m + r] = a[r * k + j];
+  return scratch;
+}
+
+/* a [m][k], packed [ceil(nn / VEC)][k][VEC] (zero past column nn), c [m][nn]; the
+ * panels are shared out over the OpenMP threads in contiguous runs. Returns 0, or -1
+ * where the scratch could not be allocated (c is then untouched). */
+int panel_product(const float *a, const float *packed, float *c, int64_t m, int64_t k,
+                  int64_t nn) {
+  const float *at = transposed(a, m, k);
+  if (!at) return -1;
   int64_t panels = (nn + VEC - 1) / VEC;
 #pragma omp parallel
   {
@@ -94,4 +114,5 @@ void panel_product(const float *at, const float *packed, float *c, int64_t m, in
       }
     }
   }
+  return 0;
 }
