@@ -323,7 +323,7 @@ class ModelRunner:
             return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
 
         n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
-        batch = Batch(pos, n, attention, self._rope_angles(pos))
+        batch = Batch(pos, n, attention, self._rope_angles(pos), keys_from_cache=True)
         return self.model.logits(self.model(ids, pos, batch))
 
     # --- sampling ----------------------------------------------------------------------

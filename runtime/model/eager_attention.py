@@ -264,18 +264,21 @@ def decode_latent(
     group = heads // f.kv_heads
     rows = cache.latent_rows
     z = rows.index_select(0, ctx.flat_slots).view(batch, -1, rows.shape[-1])
-    parts = f.key_parts(z[..., : f.r_k], ctx.rotation)  # [B, L, ·], KV·D columns in all
+    z_k, z_v = z[..., : f.r_k], z[..., f.r_k :]
+    parts = f.key_parts(z_k, ctx.rotation)  # [B, L, ·], KV·D columns in all
     queries = (q * scale).index_select(-1, f.key_dims).view(batch, f.kv_heads, group, -1)
     blocks = (queries * f.head_mask).view(batch, heads, -1).to(parts[0].dtype)  # [B, H, KV·D]
-    scores, first = None, 0
+    mask = ctx.mask_bias[:, None, :]
+    fused = parts[0].dtype == mask.dtype  # the mask as the first sum's addend
+    scores, first = mask if fused else None, 0
     for k in parts:
         query = blocks[..., first : first + k.shape[-1]]
         step = (query, k.transpose(1, 2))
         scores = torch.bmm(*step) if scores is None else torch.baddbmm(scores, *step)
         first += k.shape[-1]
-    scores = scores.float().add_(ctx.mask_bias[:, None, :])
-    probs = torch.softmax(scores, dim=-1).to(z.dtype)  # [B, H, L]
-    pz = torch.bmm(probs, z[..., f.r_k :])  # [B, H, r_v]
+    scores = scores if fused else scores.float().add_(mask)
+    probs = torch.softmax(scores, dim=-1).to(z_v.dtype)  # [B, H, L]
+    pz = torch.bmm(probs, z_v)  # [B, H, r_v]
     # per KV head: its query rows of every sequence times that head's U_v
     pz = pz.view(batch, f.kv_heads, group, -1).transpose(0, 1).reshape(f.kv_heads, -1, pz.shape[-1])
     out = torch.bmm(pz, f.u_v_heads).view(f.kv_heads, batch, group, d).transpose(0, 1)
