@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.kernels.huge_pages import empty_on_huge_pages
+
 SOURCE = Path(__file__).with_name("native") / "panel_product.c"
 # -march=native: the vector width is the build machine's, so the library is cached per CPU
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -37,13 +39,15 @@ class PanelLibrary:
     width: int
 
     def pack(self, b: torch.Tensor) -> torch.Tensor:
-        """b [K, N] (stored [N, K]) as panels [ceil(N / width), K, width], zero past N."""
+        """b [K, N] (stored [N, K]) as panels [ceil(N / width), K, width], zero past N,
+        on huge pages where the kernel gives them (``huge_pages``)."""
         w = b.t()
         n, k = w.shape
         panels = -(-n // self.width)
         padded = torch.zeros(panels * self.width, k, dtype=w.dtype)
         padded[:n] = w
-        return padded.view(panels, self.width, k).transpose(1, 2).contiguous()
+        out = empty_on_huge_pages((panels, k, self.width), w.dtype)  # streamed every step
+        return out.copy_(padded.view(panels, self.width, k).transpose(1, 2))
 
     def product(self, a: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
         """a [M, K] fp32 · the matrix ``panels`` holds (N = n columns) -> [M, n]."""

@@ -22,6 +22,7 @@ from dsl.plan import LayerPlan
 from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
+from runtime.kernels.huge_pages import on_huge_pages
 from runtime.kernels.reference import apply_norm
 
 # attention(layer index, q [T, Hl, d], k [T, KVl, d], v [T, KVl, d], latent [T, r_k + r_v] or
@@ -83,11 +84,12 @@ class DecoderLayer(nn.Module):
 
     def prepare_eager(self) -> None:
         """Once, for the eager backend: keep every matrix's [in, out] view but store it as
-        [out, in], which oneDNN's linear reads fastest (``runtime.kernels.eager.matmul``)."""
+        [out, in], which oneDNN's linear reads fastest (``runtime.kernels.eager.matmul``),
+        on huge pages (each is streamed once per step: ``runtime.kernels.huge_pages``)."""
         for name in self.names:
             t = self.w(name)
             if t.dim() == 2:
-                setattr(self, name.replace(".", "__"), t.t().contiguous().t())
+                setattr(self, name.replace(".", "__"), on_huge_pages(t.t()).t())
         self.fuse_columns()
 
     def fuse_columns(self) -> None:
@@ -321,7 +323,7 @@ class DenseLayer(DecoderLayer):
         for names, fused in self.FUSED.items():
             if all(self.w(f"{n}.weight") is not None for n in names):
                 parts = [self.w(f"{n}.weight") for n in names]
-                joined = torch.cat([p.t() for p in parts]).t()  # stored [out, in]
+                joined = on_huge_pages(torch.cat([p.t() for p in parts])).t()  # [out, in]
                 for n in names:
                     delattr(self, f"{n}__weight")
                 self.register_buffer(f"{fused}__weight", joined, persistent=False)

@@ -13,6 +13,7 @@ from dsl.plan import ModePlan
 from dsl.spec import Spec
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
+from runtime.kernels.huge_pages import on_huge_pages
 from runtime.kernels.reference import apply_norm
 from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
 from runtime.model.rope import inv_freq
@@ -63,9 +64,14 @@ class TPModel(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def prepare_eager(self) -> None:
-        """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in])."""
+        """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in]; it
+        moves to huge pages too, and a tied embedding with it)."""
         for layer in self.layers:
             layer.prepare_eager()
+        head = on_huge_pages(self.lm_head)
+        if self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == head.shape:
+            self.embed = head
+        self.lm_head = head
 
     def matrices(self) -> list[torch.Tensor]:
         """Every matrix as the eager backend multiplies by it: b [in, out]."""

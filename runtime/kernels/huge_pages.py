@@ -1,0 +1,54 @@
+"""Tensors in memory that Linux is asked to back with 2 MiB pages (transparent huge
+pages in ``madvise`` mode, the common default), for weights streamed on every step.
+
+A decode step streams every weight once: with 4 KiB pages that is a TLB miss every 4 KiB,
+and in a VM each miss walks the host's tables too. On this project's Xeon VM, the
+panels of a 576 x 3072 matrix at 16 rows took 0.454 ms on huge pages against 0.577 on
+4 KiB pages, and the 576 x 49152 LM head at one row 4.0 against 5.8 ms (medians of 7
+passes over 256 MB of distinct matrices, interleaved). The advice is a hint: where it is
+refused, or the kernel has no huge page free, the memory is ordinary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import platform
+from collections.abc import Callable
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor whose whole 2 MiB pages are advised huge
+    before anything touches them (a view into a buffer one page larger, for alignment)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and nbytes >= HUGE_PAGE:
+        madvise(start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
+    offset = start - raw.data_ptr()
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t (same shape and dtype) in memory advised huge."""
+    return empty_on_huge_pages(tuple(t.shape), t.dtype).copy_(t)
