@@ -387,3 +387,41 @@ def test_lockstep_bench_rows_and_its_limits():
     assert "decode steps taken in turn" in markdown(results)
     with pytest.raises(ValueError, match="--lockstep cannot be combined with --link"):
         BenchConfig(spec="s", links=("100mbit",), lockstep=True)
+
+
+def test_tp1_thread_rows_run_at_their_own_thread_count_and_scaling_is_reported(monkeypatch):
+    """``tp1_threads`` adds tp 1 rows with their own thread count (the same cores used by
+    threads instead of ranks). In lockstep the engines of this process share its thread
+    count, so each step of each runs at its row's; every row beside the tp 1 one gets its
+    ratio to it."""
+    import torch
+
+    from runtime.engine.model_runner import ModelRunner
+
+    cfg = _tiny_bench(
+        modes=("dense",), tps=(1, 2), tp1_threads=(2,), batches=(2,), lockstep=True, hf=False
+    )
+    labels = [v.label for v in variants_of(cfg)]
+    tp1 = "dense kv=dense tp1 b2"
+    assert labels == [tp1, f"{tp1} threads=2", "dense kv=dense tp2 b2"]
+    seen: dict[int, set[int]] = {}
+    original = ModelRunner.step
+
+    def recording_step(self, seqs, is_prefill):
+        seen.setdefault(id(self), set()).add(torch.get_num_threads())
+        return original(self, seqs, is_prefill)
+
+    monkeypatch.setattr(ModelRunner, "step", recording_step)
+    results = run_bench(cfg)
+    assert sorted(map(sorted, seen.values())) == [[1], [2]]  # the two tp 1 engines here
+    rows = {v["label"]: v for v in results["variants"]}
+    assert [rows[label]["threads_per_rank"] for label in labels] == [1, 2, 1]
+    one = rows[tp1]
+    assert "decode_speedup_vs_tp1" not in one
+    for label in labels[1:]:
+        want = rows[label]["decode_tokens_per_s"]["median"] / one["decode_tokens_per_s"]["median"]
+        assert rows[label]["decode_speedup_vs_tp1"] == pytest.approx(want)
+        paired = rows[label]["decode_speedup_vs_tp1_per_rep"]
+        assert paired["min"] <= paired["median"] <= paired["max"]
+    table = markdown(results)
+    assert "| vs tp 1 |" in table and "| dense kv=dense tp1 b2 threads=2 | 2 |" in table

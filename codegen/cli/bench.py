@@ -33,6 +33,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="execution path (default: static on a GPU, dynamic on a CPU)",
     )
     p.add_argument("--threads", type=int, default=None, help="threads per rank (cores // tp)")
+    p.add_argument(
+        "--tp1-threads",
+        type=_ints,
+        default=None,
+        help="further tp 1 rows with these thread counts, e.g. 2: the cores that tp N uses, "
+        "used by threads instead of ranks",
+    )
     p.add_argument("--batches", type=_ints, default=None, help="decode batches, e.g. 1,16")
     p.add_argument(
         "--hf", action="store_true", help="add transformers generate on the same weights"
@@ -157,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         "ratios": tuple(float(x) for x in args.ratios.split(",")) if args.ratios else None,
         "path": args.path,
         "threads": args.threads,
+        "tp1_threads": args.tp1_threads,
         "batches": args.batches,
         "hf": True if args.hf else None,
         "links": tuple(args.link) if args.link else None,

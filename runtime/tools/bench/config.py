@@ -32,6 +32,10 @@ class BenchConfig:
     max_seq_lens: tuple[int, ...] = ()  # runtime.max_seq_len variants; (): prompt + output
     hf: bool = False  # add transformers generate on the same weights (the baseline)
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
+    # Further tp 1 rows with these intra-op thread counts: the same cores used by one
+    # process's threads instead of by ranks, the machine's own scaling that tensor
+    # parallelism is set against ("vs tp 1").
+    tp1_threads: tuple[int, ...] = ()
     path: str | None = None  # static | dynamic; None: the machine's default
     # Emulated links between the ranks of tp > 1 rows: tc rates ("200mbit") or
     # "ratio:X", the rate at which Base's comm / compute per block is X (by the cost
@@ -136,15 +140,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "breakdown": False,
     },
     # Tensor-parallel scaling with one thread per rank: dense mode, batch 16, tp 1 and 2
-    # (on cpu-demo: the 135M model's 9 heads do not split over 2 ranks).
+    # (on cpu-demo: the 135M model's 9 heads do not split over 2 ranks), and tp 1 once
+    # more with two threads — what the same two cores give without ranks. In lockstep, 5
+    # repetitions: row after row, 3 repetitions, tp 2 / tp 1 measured 1.585 on an AMD
+    # EPYC VM whose two-core speed drifted by 10% between rows; in lockstep 1.59.
     "cpu-tp-scaling": {
         "spec": "specs/cpu-demo.yaml",
         "modes": ("dense",),
         "tps": (1, 2),
         "batches": (16,),
         "threads": 1,
+        "tp1_threads": (2,),
         "prompt_len": 32,
         "output_len": 64,
+        "reps": 5,
+        "lockstep": True,
         "serving": False,
         "breakdown": False,
     },

@@ -30,8 +30,15 @@ def prompts_for(cfg: BenchConfig, n: int, vocab: int, seed: int) -> list[list[in
 class _StepClock:
     """One engine's batch in a lockstep run: its own steps, each timed alone."""
 
-    def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        threads: int | None = None,
+    ) -> None:
         self.llm = llm
+        self.threads = threads  # set before each step (an engine in this process)
         self.requests = len(prompts)
         for p in prompts:
             llm.add_request(p, params)
@@ -44,6 +51,8 @@ class _StepClock:
 
     def step(self) -> None:
         decode_only = len(self.started) == self.requests
+        if self.threads is not None:
+            self.llm.workers.call("threads", self.threads)
         start = time.perf_counter()
         events = self.llm.step()
         self.steps.append((time.perf_counter() - start, len(events), decode_only))
@@ -66,7 +75,11 @@ class _StepClock:
 
 
 def lockstep_runs(
-    llms: list[LLM], cfg: BenchConfig, vocab: int, batch: int | None = None
+    llms: list[LLM],
+    cfg: BenchConfig,
+    vocab: int,
+    batch: int | None = None,
+    threads: list[int | None] | None = None,
 ) -> list[dict[str, float]]:
     """A throughput run of several engines at once, one step of each in turn, each
     timed over its own steps: rows compared this way see the same machine within a step
@@ -74,10 +87,12 @@ def lockstep_runs(
     apart; latent- against dense-KV decode measured row after row spread 1.05–1.42x
     within one run's repetitions, in lockstep 1.17–1.38x. The order stays the same
     every round: reversing it gave the engines at its ends two steps in a row (warm
-    caches) half the time."""
+    caches) half the time. ``threads``: per engine, the intra-op thread count to set
+    before each of its steps (engines in this process share one), or None."""
     prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len)
-    clocks = [_StepClock(llm, prompts, params) for llm in llms]
+    threads = threads or [None] * len(llms)
+    clocks = [_StepClock(llm, prompts, params, t) for llm, t in zip(llms, threads, strict=True)]
     while any(c.busy for c in clocks):
         for c in clocks:
             if c.busy:

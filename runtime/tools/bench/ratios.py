@@ -1,6 +1,6 @@
 """The bench's comparisons between rows: each row's spread over repetitions, its ratio to
-base, to transformers and to the weight-streaming floor, and a latent-KV row's step
-time against the same engine with a dense KV cache."""
+base, to transformers, to the same configuration at tp 1 and to the weight-streaming
+floor, and a latent-KV row's step time against the same engine with a dense KV cache."""
 
 from __future__ import annotations
 
@@ -16,11 +16,19 @@ def _rates(var: dict[str, Any]) -> list[float]:
     return [r["decode_tokens_per_s"] for r in var["throughput"]]
 
 
-def _key(var: dict[str, Any], mode: str, kv_cache: str, up_layout: str = "auto") -> tuple:
-    """The row ``var`` would be with another mode, KV cache or up layout (same tp,
-    ratio, batch, length and link)."""
-    at = (var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
-    return (mode, kv_cache, *at, up_layout)
+def _key(
+    var: dict[str, Any],
+    mode: str,
+    kv_cache: str,
+    up_layout: str = "auto",
+    tp: int | None = None,
+    threads: int | None = None,
+) -> tuple:
+    """The row ``var`` would be with another mode, KV cache or up layout, or at tp
+    ``tp`` (same ratio, batch, length and link; ``threads``: its own thread count, None
+    the bench's)."""
+    at = (tp or var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
+    return (mode, kv_cache, *at, up_layout, threads)
 
 
 def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
@@ -39,27 +47,44 @@ def add_ratios(results: dict[str, Any]) -> None:
     for var in results["variants"]:
         var["decode_tokens_per_s"] = _spread(_rates(var))
         var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
-        rates[_key(var, var["mode"], var["kv_cache"], var.get("up_layout", "auto"))] = _rates(var)
+        up, threads = var.get("up_layout", "auto"), var.get("threads")
+        rates[_key(var, var["mode"], var["kv_cache"], up, threads=threads)] = _rates(var)
     for var in results["variants"]:
         _against_base_and_hf(var, rates)
+        _against_tp1(var, rates)
         _latent_against_dense(var, rates)
         _against_floor(var, results)
 
 
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
-    base = rates.get(_key(var, "base", "dense"))
-    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto"))
+    base = rates.get(_key(var, "base", "dense", threads=var.get("threads")))
+    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto", None))
     var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
     if base:
         var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
     var["decode_speedup_vs_hf"] = median / statistics.median(hf) if hf else None
 
 
+def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
+    """Scaling: the row's decode rate over the same configuration's at tp 1 with the
+    bench's thread count (tp 1 rows with their own thread count, ``tp1_threads``, are
+    the same cores used by threads instead of ranks)."""
+    if var["mode"] == "hf" or (var["tp"] == 1 and var.get("threads") is None):
+        return
+    one = rates.get(_key(var, var["mode"], var["kv_cache"], var.get("up_layout", "auto"), tp=1))
+    if not one:
+        return
+    var["decode_speedup_vs_tp1"] = var["decode_tokens_per_s"]["median"] / statistics.median(one)
+    var["decode_speedup_vs_tp1_per_rep"] = _paired(_rates(var), one)
+
+
 def _latent_against_dense(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     """Step time ratio = dense tok/s over latent tok/s (same batch, so same tokens per
     step): what a latent cache costs per decode step."""
-    dense = rates.get(_key(var, var["mode"], "dense", var.get("up_layout", "auto")))
+    dense = rates.get(
+        _key(var, var["mode"], "dense", var.get("up_layout", "auto"), threads=var.get("threads"))
+    )
     if var["kv_cache"] != "latent" or not dense:
         return
     var["step_vs_dense_kv"] = statistics.median(dense) / var["decode_tokens_per_s"]["median"]

@@ -52,6 +52,15 @@ def _vs_dense_kv(v: dict[str, Any]) -> str:
     return f"{_x(v['step_vs_dense_kv'])} ({paired['min']:.2f}–{paired['max']:.2f})"
 
 
+def _vs_tp1(v: dict[str, Any]) -> str:
+    """A row's decode rate over the same configuration's at tp 1 (and the range within
+    one repetition)."""
+    if "decode_speedup_vs_tp1" not in v:
+        return ""
+    paired = v["decode_speedup_vs_tp1_per_rep"]
+    return f"{_x(v['decode_speedup_vs_tp1'])} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
 def _label(v: dict[str, Any]) -> str:
     """The row's label, with the up layout an ``auto`` deinfer row resolved to."""
     used = v.get("up_layout_used")
@@ -60,14 +69,16 @@ def _label(v: dict[str, Any]) -> str:
     return f"{v['label']} (up={used})"
 
 
-def _header(latent: bool) -> list[str]:
-    """The table's header rows; a latent-vs-dense column only where a latent row has one."""
+def _header(latent: bool, scaling: bool) -> list[str]:
+    """The table's header rows; a latent-vs-dense column only where a latent row has one,
+    a vs-tp-1 column only where a row is set against tp 1."""
     columns = [
         "config",
         "threads/rank",
         "decode tok/s (min / median / max)",
         "vs base",
         "vs hf",
+        *(["vs tp 1"] if scaling else []),
         *(["step vs kv=dense"] if latent else []),
         "of floor",
         "output tok/s",
@@ -103,7 +114,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     latent = any("step_vs_dense_kv" in v for v in results["variants"])
-    lines += _header(latent)
+    scaling = any("decode_speedup_vs_tp1" in v for v in results["variants"])
+    lines += _header(latent, scaling)
     for v in results["variants"]:
         d = v["decode_tokens_per_s"]
         floor = v.get("fraction_of_floor")
@@ -111,6 +123,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
             f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            + (f"{_vs_tp1(v)} | " if scaling else "")
             + (f"{_vs_dense_kv(v)} | " if latent else "")
             + f"{'' if floor is None else f'{floor:.0%}'} | "
             f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
@@ -126,6 +139,13 @@ def markdown(results: dict[str, Any]) -> str:
             "*step vs kv=dense*: a latent-KV row's decode step time over the same engine's "
             "with a dense KV cache (in brackets: within one repetition). "
             if latent
+            else ""
+        )
+        + (
+            "*vs tp 1*: the ratio of the medians to the same configuration at tp 1 with the "
+            "bench's threads per rank (in brackets: within one repetition); a tp 1 row with "
+            "`threads=N` is the same cores used by one process's threads instead of ranks. "
+            if scaling
             else ""
         )
         + "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "

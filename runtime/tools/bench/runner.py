@@ -51,6 +51,7 @@ class Variant:
     max_seq_len: int | None = None  # None: prompt + output
     link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
     up_layout: str = "auto"  # deinfer's o/down up factors (RunnerConfig.up_layout)
+    threads: int | None = None  # intra-op threads per rank; None: the bench's (``_threads``)
 
     @property
     def label(self) -> str:
@@ -60,13 +61,22 @@ class Variant:
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
         link = "" if self.link is None else f" link={self.link}"
-        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}"
+        threads = "" if self.threads is None else f" threads={self.threads}"
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}{threads}"
 
     @property
     def engine(self) -> tuple:
         """Rows that differ only in batch or link share one engine (links are reshaped
         in place between rows)."""
-        return (self.mode, self.kv_cache, self.tp, self.ratio, self.max_seq_len, self.up_layout)
+        return (
+            self.mode,
+            self.kv_cache,
+            self.tp,
+            self.ratio,
+            self.max_seq_len,
+            self.up_layout,
+            self.threads,
+        )
 
 
 def machine() -> dict[str, Any]:
@@ -120,7 +130,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     batches = cfg.batches or (None,)
     lengths = cfg.max_seq_lens or (None,)
     rows = [
-        Variant(m, kv, tp, r, b, n, link, up)
+        Variant(m, kv, tp, r, b, n, link, up, threads)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
         for link in (cfg.links or (None,) if tp > 1 else (None,))
@@ -129,6 +139,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for kv in cfg.kv_caches
         for b in batches
         for up in (cfg.up_layouts if m == "deinfer" else ("auto",))
+        for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
         if not (kv == "latent" and m != "deinfer")
     ]
     if cfg.hf:
@@ -211,7 +222,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         num_blocks=blocks + 1,
         overlap=cfg.overlap,
         path=cfg.path,
-        threads=cfg.threads,
+        threads=_threads(cfg, v),
         link=link if v.tp > 1 else None,
         up_layout=v.up_layout,
         pack_weights=cfg.pack_weights,
@@ -219,18 +230,19 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
     return llm, spec
 
 
-def _threads(cfg: BenchConfig, tp: int) -> int:
-    return cfg.threads or default_threads(tp)
+def _threads(cfg: BenchConfig, v: Variant) -> int:
+    """The row's intra-op threads per rank: its own, the bench's, or cores // tp."""
+    return v.threads or cfg.threads or default_threads(v.tp)
 
 
 def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
     """One throughput run (and a serving run for engines), at the row's thread count."""
     if v.mode == "hf":
-        torch.set_num_threads(_threads(cfg, 1))
+        torch.set_num_threads(_threads(cfg, v))
         prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
         return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
     if v.tp == 1:  # this process is the rank: other rows may have changed its threads
-        engine.workers.call("threads", _threads(cfg, 1))
+        engine.workers.call("threads", _threads(cfg, v))
     out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
     if cfg.serving:
         out["serving"] = serving_run(engine, cfg, vocab)
@@ -317,10 +329,10 @@ class _Session:
                 f"rep {rep + 1}/{self.cfg.reps} in lockstep: " + ", ".join(v.label for v in rows)
             )
             engines = [self.engines[v.engine] for v in rows]
-            for v, engine in zip(rows, engines, strict=True):
-                if v.tp == 1:  # this process is the rank
-                    engine.workers.call("threads", _threads(self.cfg, 1))
-            runs = lockstep_runs(engines, self.cfg, self.vocab, batch)
+            # tp 1 engines run in this process, whose thread count they share: each is
+            # given its own before each of its steps
+            threads = [_threads(self.cfg, v) if v.tp == 1 else None for v in rows]
+            runs = lockstep_runs(engines, self.cfg, self.vocab, batch, threads)
             for v, run in zip(rows, runs, strict=True):
                 raw[v].append({"throughput": run})
                 if self.cfg.serving:
@@ -375,7 +387,7 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
     row = {
         **asdict(v),
         "label": v.label,
-        "threads_per_rank": _threads(cfg, v.tp),
+        "threads_per_rank": _threads(cfg, v),
         "path": None if v.mode == "hf" else cfg.path or default_path(),
         "throughput": [r["throughput"] for r in runs],
         "serving": [r["serving"] for r in runs if "serving" in r],
