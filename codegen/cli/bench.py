@@ -44,6 +44,14 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hf", action="store_true", help="add transformers generate on the same weights"
     )
+    _add_engine_options(p)
+    _add_serve_options(p)
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-overlap",
         action="store_true",
@@ -75,10 +83,6 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         "200mbit, or ratio:X for the rate at which Base's comm/compute per block is X "
         "(by the cost model, after calibrating this machine); needs root and iproute2",
     )
-    _add_serve_options(p)
-    p.add_argument("--out", type=Path, default=Path("bench-results"))
-    p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=run)
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:

@@ -91,11 +91,11 @@ def _header(latent: bool, scaling: bool) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
-def markdown(results: dict[str, Any]) -> str:
+def _preamble(results: dict[str, Any]) -> str:
     m = results["machine"]
     cfg = results["config"]
     bandwidth = m.get("memory_bandwidth_bytes_per_s")
-    lines = [
+    return (
         f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
         f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['prompt_len']} prompt + "
         f"{cfg['output_len']} output tokens per request, {cfg['reps']} interleaved repetitions "
@@ -110,27 +110,12 @@ def markdown(results: dict[str, Any]) -> str:
             f"({m['bandwidth_threads']} threads)."
             if bandwidth
             else ""
-        ),
-        "",
-    ]
-    latent = any("step_vs_dense_kv" in v for v in results["variants"])
-    scaling = any("decode_speedup_vs_tp1" in v for v in results["variants"])
-    lines += _header(latent, scaling)
-    for v in results["variants"]:
-        d = v["decode_tokens_per_s"]
-        floor = v.get("fraction_of_floor")
-        lines.append(
-            f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
-            f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
-            f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
-            + (f"{_vs_tp1(v)} | " if scaling else "")
-            + (f"{_vs_dense_kv(v)} | " if latent else "")
-            + f"{'' if floor is None else f'{floor:.0%}'} | "
-            f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
-            f"{_breakdown_cells(v)} |"
         )
-    lines += [
-        "",
+    )
+
+
+def _legend(latent: bool, scaling: bool) -> str:
+    return (
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
         "(products D·U), same prompts and lengths, EOS ignored. *vs base*: ratio of the "
@@ -150,8 +135,28 @@ def markdown(results: dict[str, Any]) -> str:
         )
         + "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "
         "sharded with an all-gather of the output; `auto` picks sharded where the ranks "
-        "share memory).",
-    ]
+        "share memory)."
+    )
+
+
+def markdown(results: dict[str, Any]) -> str:
+    latent = any("step_vs_dense_kv" in v for v in results["variants"])
+    scaling = any("decode_speedup_vs_tp1" in v for v in results["variants"])
+    lines = [_preamble(results), "", *_header(latent, scaling)]
+    for v in results["variants"]:
+        d = v["decode_tokens_per_s"]
+        floor = v.get("fraction_of_floor")
+        lines.append(
+            f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
+            f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
+            f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            + (f"{_vs_tp1(v)} | " if scaling else "")
+            + (f"{_vs_dense_kv(v)} | " if latent else "")
+            + f"{'' if floor is None else f'{floor:.0%}'} | "
+            f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
+            f"{_breakdown_cells(v)} |"
+        )
+    lines += ["", _legend(latent, scaling)]
     return "\n".join(lines) + "\n"
 
 

@@ -167,7 +167,7 @@ async def _inprocess_rows(llm, work: Workload, cfg: ServeBenchConfig, progress, 
 def bench_modes(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict:
     """Start a server per mode, load it through HTTP, then the same load in-process."""
     from runtime.engine.llm import LLM
-    from runtime.tools.bench.runner import machine
+    from runtime.tools.bench.variants import machine
     from runtime.tools.random_checkpoint import write_random_checkpoint
 
     spec = bench_spec(cfg)

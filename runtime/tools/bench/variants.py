@@ -1,0 +1,121 @@
+"""The bench's rows: one ``Variant`` per configuration, its spec, and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsl import Spec, build_plan
+from dsl.plan import UP_REPLICATED
+from runtime.tools.bench.config import BenchConfig
+
+
+@dataclass(frozen=True)
+class Variant:
+    mode: str  # deinfer | base | dense | hf (transformers generate)
+    kv_cache: str
+    tp: int
+    ratio: float | None
+    batch: int | None = None  # None: num_requests, max_batch at a time
+    max_seq_len: int | None = None  # None: prompt + output
+    link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
+    up_layout: str = "auto"  # deinfer's o/down up factors (RunnerConfig.up_layout)
+    threads: int | None = None  # intra-op threads per rank; None: the bench's (``_threads``)
+
+    @property
+    def label(self) -> str:
+        kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
+        kv += "" if self.up_layout == "auto" else f" up={self.up_layout}"
+        ratio = "" if self.ratio is None else f" r{self.ratio:g}"
+        batch = "" if self.batch is None else f" b{self.batch}"
+        length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
+        link = "" if self.link is None else f" link={self.link}"
+        threads = "" if self.threads is None else f" threads={self.threads}"
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}{threads}"
+
+    @property
+    def engine(self) -> tuple:
+        """Rows that differ only in batch or link share one engine (links are reshaped
+        in place between rows)."""
+        return (
+            self.mode,
+            self.kv_cache,
+            self.tp,
+            self.ratio,
+            self.max_seq_len,
+            self.up_layout,
+            self.threads,
+        )
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import triton
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def max_batch(cfg: BenchConfig) -> int:
+    return max((*cfg.batches, cfg.max_batch, 1))
+
+
+def variant_spec(base: Spec, v: Variant, cfg: BenchConfig) -> Spec:
+    """The bench's spec for one row: the row's tp and ratio, room for the bench's batch
+    and lengths."""
+    spec = base.with_tp(v.tp)
+    if v.ratio is not None:
+        spec = spec.with_ratio(v.ratio, "smaller_dim_fraction", rank_multiple=2)
+    return spec.with_runtime(
+        max_batch_size=max_batch(cfg),
+        max_seq_len=v.max_seq_len or cfg.prompt_len + cfg.output_len,
+        cuda_graph_batch_sizes=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch(cfg)],
+    )
+
+
+def planned_elements(spec, mode: str, up_layout: str = UP_REPLICATED) -> dict[str, float]:
+    mp = build_plan(spec, up_layout=up_layout).modes[mode]
+    out: dict[str, float] = {}
+    for lp in mp.layer_plans:
+        for c in lp.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.elements * len(lp.layers) / mp.num_layers
+    return out
+
+
+def variants_of(cfg: BenchConfig) -> list[Variant]:
+    batches = cfg.batches or (None,)
+    lengths = cfg.max_seq_lens or (None,)
+    rows = [
+        Variant(m, kv, tp, r, b, n, link, up, threads)
+        for r in (cfg.ratios or (None,))
+        for tp in cfg.tps
+        for link in (cfg.links or (None,) if tp > 1 else (None,))
+        for n in lengths
+        for m in cfg.modes
+        for kv in cfg.kv_caches
+        for b in batches
+        for up in (cfg.up_layouts if m == "deinfer" else ("auto",))
+        for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
+        if not (kv == "latent" and m != "deinfer")
+    ]
+    if cfg.hf:
+        rows += [Variant("hf", "-", 1, r, b) for r in (cfg.ratios or (None,)) for b in batches]
+    return rows

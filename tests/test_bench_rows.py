@@ -1,0 +1,187 @@
+"""`deinfer bench`'s ratios between rows (vs base, latent vs dense KV, vs tp 1) and its
+lockstep mode, from canned and tiny-model runs (no timing assertions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsl import load_spec
+from runtime.tools.bench.report import markdown
+from runtime.tools.bench.runner import BenchConfig, run_bench, variants_of
+from tests.conftest import SPECS
+from tests.test_bench import _tiny_bench
+
+
+def test_ratio_to_base_is_also_taken_within_each_repetition():
+    """A machine that slows down between repetitions moves every row alike: the ratio
+    within each repetition stays put where the ratio of medians would not."""
+    from runtime.tools.bench.ratios import add_ratios
+
+    def row(mode: str, rates: list[float]) -> dict:
+        return {
+            "mode": mode,
+            "kv_cache": "dense",
+            "tp": 2,
+            "ratio": None,
+            "batch": None,
+            "max_seq_len": None,
+            "throughput": [{"decode_tokens_per_s": r, "output_tokens_per_s": r} for r in rates],
+        }
+
+    results = {
+        "config": {"num_requests": 8, "max_batch": 8},
+        "machine": {},
+        "variants": [row("base", [10.0, 20.0, 40.0]), row("deinfer", [11.0, 22.0, 44.0])],
+    }
+    add_ratios(results)
+    deinfer = results["variants"][1]
+    assert deinfer["decode_speedup_vs_base_per_rep"] == pytest.approx(
+        {"min": 1.1, "median": 1.1, "max": 1.1}
+    )
+    assert deinfer["decode_speedup_vs_base"] == pytest.approx(22.0 / 20.0)
+    assert results["variants"][0]["decode_speedup_vs_base_per_rep"]["max"] == 1.0
+
+
+def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
+    """Issue 10's latent aim is a step-time ratio: dense tok/s over latent tok/s of the
+    same configuration, also within each repetition, and shown in the report."""
+    from runtime.tools.bench.ratios import add_ratios
+    from runtime.tools.bench.report import markdown
+
+    def row(kv: str, ratio: float, rates: list[float]) -> dict:
+        return {
+            "mode": "deinfer",
+            "kv_cache": kv,
+            "tp": 1,
+            "ratio": ratio,
+            "batch": 8,
+            "max_seq_len": None,
+            "up_layout": "auto",
+            "label": f"deinfer kv={kv} tp1 r{ratio:g} b8",
+            "throughput": [{"decode_tokens_per_s": r, "output_tokens_per_s": r} for r in rates],
+        }
+
+    results = {
+        "config": {"num_requests": 8, "max_batch": 8, "spec": "s", "prompt_len": 1},
+        "machine": {"cpu": "c", "cores": 2, "gpu": None, "torch": "t", "triton": "t"},
+        "variants": [
+            row("dense", 0.0, [100.0, 50.0, 90.0]),
+            row("latent", 0.0, [80.0, 40.0, 60.0]),
+            row("dense", 0.4, [120.0, 120.0, 120.0]),
+        ],
+    }
+    results["config"] |= {"output_len": 1, "reps": 3}
+    add_ratios(results)
+    dense, latent, other = results["variants"]
+    assert latent["step_vs_dense_kv"] == pytest.approx(90.0 / 60.0)
+    assert latent["step_vs_dense_kv_per_rep"] == pytest.approx(
+        {"min": 1.25, "median": 1.25, "max": 1.5}
+    )
+    assert "step_vs_dense_kv" not in dense and "step_vs_dense_kv" not in other
+    table = markdown(results)
+    assert "step vs kv=dense" in table and "1.50x (1.25–1.50)" in table
+
+
+def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_path, monkeypatch):
+    """Engines in lockstep take one step each in turn; each one's rates come from its
+    own steps, and the greedy tokens are what it makes alone."""
+    from runtime.engine.llm import LLM
+    from runtime.engine.sequence import SamplingParams
+    from runtime.tools.bench.measure import lockstep_runs, prompts_for
+    from runtime.tools.random_checkpoint import write_random_checkpoint
+
+    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(1)
+    write_random_checkpoint(spec, tmp_path / "ck", 0)
+    engines = [
+        LLM(spec, tmp_path / "ck", mode="deinfer", kv_cache=kv) for kv in ("dense", "latent")
+    ]
+    cfg = BenchConfig(spec="unused", prompt_len=5, output_len=6, lockstep=True)
+    prompts = prompts_for(cfg, 3, spec.model.vocab_size, cfg.seed)
+    alone = [e.generate(prompts, SamplingParams(max_tokens=6)) for e in engines]
+    steps, finished, original = [], [], LLM.step
+
+    def recording_step(self):
+        steps.append(engines.index(self))
+        events = original(self)
+        finished.extend((engines.index(self), s.id, list(s.output)) for s, _, _ in events)
+        return events
+
+    monkeypatch.setattr(LLM, "step", recording_step)
+    runs = lockstep_runs(engines, cfg, spec.model.vocab_size, batch=3)
+    # one prefill and five decode steps each, taken in turn: never two in a row
+    assert steps == [0, 1] * 6
+    for run in runs:
+        assert set(run) == {
+            "seconds",
+            "requests_per_s",
+            "output_tokens_per_s",
+            "total_tokens_per_s",
+            "decode_tokens_per_s",
+        }
+        assert run["decode_tokens_per_s"] > 0 and run["output_tokens_per_s"] > 0
+    for i, outs in enumerate(alone):
+        last = {sid: tokens for e, sid, tokens in finished if e == i}
+        assert sorted(last.values()) == sorted(o.token_ids for o in outs)
+    for e in engines:
+        e.close()
+
+
+def test_lockstep_bench_rows_and_its_limits():
+    """In lockstep, engines in this process (tp 1) and with worker processes (tp 2) take
+    turns; the rows get their ratios as in a plain run."""
+    cfg = _tiny_bench(
+        modes=("deinfer",), kv_caches=("dense", "latent"), tps=(1, 2), batches=(2,), lockstep=True
+    )
+    results = run_bench(cfg)
+    rows = {v["label"]: v for v in results["variants"]}
+    assert set(rows) == {
+        f"deinfer kv={kv} tp{tp} b2" for kv in ("dense", "latent") for tp in (1, 2)
+    } | {"hf tp1 b2"}
+    assert all(len(v["throughput"]) == 2 for v in rows.values())
+    for tp in (1, 2):
+        latent = rows[f"deinfer kv=latent tp{tp} b2"]
+        dense = rows[f"deinfer kv=dense tp{tp} b2"]["decode_tokens_per_s"]["median"]
+        assert latent["step_vs_dense_kv"] == pytest.approx(
+            dense / latent["decode_tokens_per_s"]["median"]
+        )
+    assert "decode steps taken in turn" in markdown(results)
+    with pytest.raises(ValueError, match="--lockstep cannot be combined with --link"):
+        BenchConfig(spec="s", links=("100mbit",), lockstep=True)
+
+
+def test_tp1_thread_rows_run_at_their_own_thread_count_and_scaling_is_reported(monkeypatch):
+    """``tp1_threads`` adds tp 1 rows with their own thread count (the same cores used by
+    threads instead of ranks). In lockstep the engines of this process share its thread
+    count, so each step of each runs at its row's; every row beside the tp 1 one gets its
+    ratio to it."""
+    import torch
+
+    from runtime.engine.model_runner import ModelRunner
+
+    cfg = _tiny_bench(
+        modes=("dense",), tps=(1, 2), tp1_threads=(2,), batches=(2,), lockstep=True, hf=False
+    )
+    labels = [v.label for v in variants_of(cfg)]
+    tp1 = "dense kv=dense tp1 b2"
+    assert labels == [tp1, f"{tp1} threads=2", "dense kv=dense tp2 b2"]
+    seen: dict[int, set[int]] = {}
+    original = ModelRunner.step
+
+    def recording_step(self, seqs, is_prefill):
+        seen.setdefault(id(self), set()).add(torch.get_num_threads())
+        return original(self, seqs, is_prefill)
+
+    monkeypatch.setattr(ModelRunner, "step", recording_step)
+    results = run_bench(cfg)
+    assert sorted(map(sorted, seen.values())) == [[1], [2]]  # the two tp 1 engines here
+    rows = {v["label"]: v for v in results["variants"]}
+    assert [rows[label]["threads_per_rank"] for label in labels] == [1, 2, 1]
+    one = rows[tp1]
+    assert "decode_speedup_vs_tp1" not in one
+    for label in labels[1:]:
+        want = rows[label]["decode_tokens_per_s"]["median"] / one["decode_tokens_per_s"]["median"]
+        assert rows[label]["decode_speedup_vs_tp1"] == pytest.approx(want)
+        paired = rows[label]["decode_speedup_vs_tp1_per_rep"]
+        assert paired["min"] <= paired["median"] <= paired["max"]
+    table = markdown(results)
+    assert "| vs tp 1 |" in table and "| dense kv=dense tp1 b2 threads=2 | 2 |" in table
