@@ -19,6 +19,7 @@ from runtime.engine.model_runner import Piece, prefill_chunks
 from runtime.engine.sampling import make_generator, sample
 from runtime.engine.sequence import SamplingParams
 from runtime.kernels import eager, reference
+from runtime.kernels.eager import rope_rotation
 from runtime.model.eager_attention import (
     LatentFactors,
     cache_context,
@@ -26,6 +27,7 @@ from runtime.model.eager_attention import (
     decode_dense,
     decode_latent,
 )
+from runtime.model.key_angles import GROWTH, KeyAngles
 from runtime.model.latent_basis import copy_basis
 from runtime.model.paged_cache import LayerCache
 from runtime.model.rope import inv_freq
@@ -189,6 +191,7 @@ def test_decode_latent_matches_reconstruct_then_attend(
     pool = max(max(t) for t in tables) + 2
     latent = randn(pool, bs, r_k + r_v, seed=13)
     u_k, basis = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
+    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     f = LatentFactors(
         r_k=r_k,
         kv_heads=kv,
@@ -200,10 +203,10 @@ def test_decode_latent_matches_reconstruct_then_attend(
         k_norm=randn(d, seed=18) if k_norm else None,
         eps=1e-6,
         rope_style=style,
+        inv_freq=None if style == "none" else freqs,
     )
     if basis:  # pairs taken in turn, the first rank first; none with k_norm
         assert f.copies == (0 if k_norm else 2 * (r_k // 2 // copy_ranks))
-    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     rows = latent.view(-1, r_k + r_v)
     keys = rows[:, :r_k] @ f.u_k + (f.bias_k if bias else 0)
     keys = keys.view(-1, kv, d)
@@ -324,3 +327,16 @@ def test_down_proj_and_latent_up_match_reference(dtype):
         eager.latent_up_chunk(chunk, j, us, acc, segments=segments)
         for a, b in zip(acc, ref_acc, strict=True):
             close(a, b, dtype, "latent_up")
+
+
+def test_key_angles_are_the_rotation_at_every_length_as_the_table_grows():
+    """The kept table (grown ``GROWTH`` positions at a time) gives each pair's angle at
+    positions 0..L-1 exactly as a gather from that step's rotation would, as L grows
+    past a growth and comes back down."""
+    freqs = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    index = torch.tensor([3, 0, 7, 7, 1])
+    angles = KeyAngles(freqs, index)
+    for length in (1, 5, GROWTH, GROWTH + 1, 3 * GROWTH - 2, 7):
+        want = rope_rotation(torch.arange(length), freqs)[:, index]
+        assert torch.equal(angles(length), want), length
+    assert angles.table.shape == (3 * GROWTH, 5)

@@ -201,6 +201,7 @@ class ModelRunner:
             k_norm=layer.w("k_norm.weight") if m.qk_norm else None,
             eps=m.norm.eps,
             rope_style=m.positions.rope_style,
+            inv_freq=self.inv_freq,
         )
 
     # --- prefill ---------------------------------------------------------------------

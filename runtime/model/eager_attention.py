@@ -23,6 +23,7 @@ from runtime.kernels.eager import (
     rope_tables_of,
     rotate,
 )
+from runtime.model.key_angles import KeyAngles
 from runtime.model.latent_basis import copies_usable
 from runtime.model.paged_cache import LayerCache
 
@@ -34,8 +35,8 @@ class CacheContext:
     slots long [B, L]: cache slot of token j of sequence b (L: the longest sequence;
     slot 0 past a sequence's length); valid bool [B, L]; cos, sin [L, head_dim]: RoPE
     tables (``eager.rope_tables``) of positions 0..L-1 (None without RoPE), for keys
-    rebuilt from a latent cache, which holds pre-RoPE latents; rotation [L, head_dim/2]:
-    the same angles as complex numbers (``eager.rope_rotation``), for decode. Shaped
+    rebuilt from a latent cache, which holds pre-RoPE latents (decode rotates them by
+    ``LatentFactors.key_angles``). Shaped
     once here for every layer of the step: ``flat_slots`` [B·L] and ``attn_mask`` [B, 1,
     1, L] (``mask_bias`` as attention broadcasts it over KV heads and query rows: an
     additive mask, which SDPA applies faster than a boolean one: a decode step of the
@@ -46,7 +47,6 @@ class CacheContext:
     mask_bias: torch.Tensor  # [B, L]: 0 where valid, -inf past a sequence's length
     cos: torch.Tensor | None
     sin: torch.Tensor | None
-    rotation: torch.Tensor | None = None
     flat_slots: torch.Tensor = field(init=False, repr=False)
     attn_mask: torch.Tensor = field(init=False, repr=False)
 
@@ -74,12 +74,11 @@ def cache_context(
     positions = torch.arange(longest)
     valid = positions[None, :] < torch.tensor(lengths)[:, None]
     slots = torch.where(valid, slots, 0)
-    cos = sin = rotation = None
+    cos = sin = None
     if inv_freq is not None:
-        rotation = rope_rotation(positions.to(device), inv_freq)
-        cos, sin = rope_tables_of(rotation, rope_style)
+        cos, sin = rope_tables_of(rope_rotation(positions.to(device), inv_freq), rope_style)
     bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-    return CacheContext(slots.to(device), valid.to(device), bias.to(device), cos, sin, rotation)
+    return CacheContext(slots.to(device), valid.to(device), bias.to(device), cos, sin)
 
 
 def latent_layout(
@@ -126,6 +125,7 @@ class LatentFactors:
     k_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm weight
     eps: float
     rope_style: str  # neox | gptj | none (no RoPE)
+    inv_freq: torch.Tensor | None = None  # RoPE's frequencies [head_dim/2]; None: no RoPE
     # What decode multiplies by, made once (``latent_layout``): the key columns in the
     # order decode builds them, each RoPE pair side by side, first the columns that are
     # latent columns copy_from.. (U_k's identity columns, ``runtime.model.latent_basis``),
@@ -144,6 +144,8 @@ class LatentFactors:
     angle_index: torch.Tensor = field(init=False, repr=False)
     angles_by_head: bool = field(init=False, repr=False)
     u_v_heads: torch.Tensor = field(init=False, repr=False)
+    # each key pair's angle at positions 0..L-1 (None: no RoPE), kept between steps
+    key_angles: KeyAngles | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         order = rope_pair_order(self.head_dim, self.rope_style).to(self.u_k.device)
@@ -170,6 +172,19 @@ class LatentFactors:
         }
         for name, value in laid_out.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "key_angles", self._key_angles())
+
+    def _one_key_part(self) -> bool:
+        """Whether decode builds the keys as one tensor: all copied, or none."""
+        return self.copies in (0, self.layout.numel())
+
+    def _key_angles(self) -> KeyAngles | None:
+        if self.inv_freq is None or self.rope_style == "none":
+            return None
+        if self.angles_by_head and self._one_key_part():  # a table of head_dim/2 angles
+            index = torch.arange(self.head_dim // 2, device=self.u_k.device)
+            return KeyAngles(self.inv_freq, index)  # broadcast over the heads
+        return KeyAngles(self.inv_freq, self.angle_index)
 
     def keys(self, zk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """zk [..., L, r_k] -> post-RoPE keys [..., L, kv_heads, head_dim]."""
@@ -183,11 +198,11 @@ class LatentFactors:
             k = rotate(k, cos[:, None, :], sin[:, None, :], self.rope_style)
         return k
 
-    def key_parts(self, zk: torch.Tensor, rotation: torch.Tensor | None) -> list[torch.Tensor]:
+    def key_parts(self, zk: torch.Tensor) -> list[torch.Tensor]:
         """zk [B, L, r_k] -> post-RoPE keys [B, L, ·] with their columns in ``layout``, in
         one or two parts side by side: zk's copied columns (rotated in place: zk is
         overwritten), then the columns multiplied out; RoPE at positions 0..L-1 in fp32
-        (``rotation``: [L, head_dim/2] from ``eager.rope_rotation``; None: no RoPE).
+        (``key_angles``; none without RoPE).
         Scored part by part, the two are never concatenated: a latent decode step of
         cpu-135m at 40% (batch 8, context 256) 3.5% shorter than with one key tensor
         (median ratio of 39 steps alternated with it), the same scores to 7e-7."""
@@ -202,13 +217,13 @@ class LatentFactors:
             heads = parts[0].unflatten(-1, (self.kv_heads, self.head_dim))
             parts = [normalize(heads, self.k_norm_layout, None, norm="rms", eps=self.eps)]
             parts[0] = parts[0].flatten(-2)
-        if rotation is None:
+        if self.key_angles is None:
             return parts
-        # each layout pair's angle: head by head in pair order (one part) broadcasts the
-        # table; otherwise it is gathered (advanced indexing: 2x index_select here)
-        if self.angles_by_head and len(parts) == 1:
-            return [_rotated(parts[0], rotation[:, None, :], (self.kv_heads, -1, 2))]
-        angles = rotation[:, None, self.angle_index]
+        # each layout pair's angle: head by head in pair order (one part) broadcasts one
+        # head's angles over the heads; otherwise every pair has its own column
+        angles = self.key_angles(zk.shape[-2])[:, None, :]
+        if self.angles_by_head and self._one_key_part():
+            return [_rotated(parts[0], angles, (self.kv_heads, -1, 2))]
         spans = [angles[..., : c // 2], angles[..., c // 2 :]] if c else [angles]
         return [_rotated(k, a, (1, -1, 2)) for k, a in zip(parts, spans, strict=False)]
 
@@ -265,7 +280,7 @@ def decode_latent(
     rows = cache.latent_rows
     z = rows.index_select(0, ctx.flat_slots).view(batch, -1, rows.shape[-1])
     z_k, z_v = z[..., : f.r_k], z[..., f.r_k :]
-    parts = f.key_parts(z_k, ctx.rotation)  # [B, L, ·], KV·D columns in all
+    parts = f.key_parts(z_k)  # [B, L, ·], KV·D columns in all
     queries = (q * scale).index_select(-1, f.key_dims).view(batch, f.kv_heads, group, -1)
     blocks = (queries * f.head_mask).view(batch, heads, -1).to(parts[0].dtype)  # [B, H, KV·D]
     mask = ctx.mask_bias[:, None, :]
