@@ -134,14 +134,20 @@ def _threads(cfg: BenchConfig, v: Variant) -> int:
     return v.threads or cfg.threads or default_threads(v.tp)
 
 
+def _use_threads(v: Variant, engine, cfg: BenchConfig) -> None:
+    """A tp 1 engine runs in this process, whose thread count other rows may have
+    changed: give it the row's own."""
+    if v.tp == 1:
+        engine.workers.call("threads", _threads(cfg, v))
+
+
 def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
     """One throughput run (and a serving run for engines), at the row's thread count."""
     if v.mode == "hf":
         torch.set_num_threads(_threads(cfg, v))
         prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
         return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
-    if v.tp == 1:  # this process is the rank: other rows may have changed its threads
-        engine.workers.call("threads", _threads(cfg, v))
+    _use_threads(v, engine, cfg)
     out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
     if cfg.serving:
         out["serving"] = serving_run(engine, cfg, vocab)
@@ -235,6 +241,7 @@ class _Session:
             for v, run in zip(rows, runs, strict=True):
                 raw[v].append({"throughput": run})
                 if self.cfg.serving:
+                    _use_threads(v, self.engines[v.engine], self.cfg)
                     raw[v][-1]["serving"] = serving_run(
                         self.engines[v.engine], self.cfg, self.vocab
                     )
