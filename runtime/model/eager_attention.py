@@ -144,6 +144,9 @@ class LatentFactors:
     angle_index: torch.Tensor = field(init=False, repr=False)
     angles_by_head: bool = field(init=False, repr=False)
     u_v_heads: torch.Tensor = field(init=False, repr=False)
+    # the keys in one part whose pairs take their head's angles in order: one head's
+    # angles broadcast over the heads
+    angles_broadcast: bool = field(init=False, repr=False)
     # each key pair's angle at positions 0..L-1 (None: no RoPE), kept between steps
     key_angles: KeyAngles | None = field(init=False, repr=False, compare=False)
 
@@ -172,18 +175,16 @@ class LatentFactors:
         }
         for name, value in laid_out.items():
             object.__setattr__(self, name, value)
+        one_part = self.copies in (0, self.layout.numel())  # all copied, or none
+        object.__setattr__(self, "angles_broadcast", self.angles_by_head and one_part)
         object.__setattr__(self, "key_angles", self._key_angles())
-
-    def _one_key_part(self) -> bool:
-        """Whether decode builds the keys as one tensor: all copied, or none."""
-        return self.copies in (0, self.layout.numel())
 
     def _key_angles(self) -> KeyAngles | None:
         if self.inv_freq is None or self.rope_style == "none":
             return None
-        if self.angles_by_head and self._one_key_part():  # a table of head_dim/2 angles
+        if self.angles_broadcast:  # a table of one head's head_dim/2 angles
             index = torch.arange(self.head_dim // 2, device=self.u_k.device)
-            return KeyAngles(self.inv_freq, index)  # broadcast over the heads
+            return KeyAngles(self.inv_freq, index)
         return KeyAngles(self.inv_freq, self.angle_index)
 
     def keys(self, zk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
@@ -222,7 +223,7 @@ class LatentFactors:
         # each layout pair's angle: head by head in pair order (one part) broadcasts one
         # head's angles over the heads; otherwise every pair has its own column
         angles = self.key_angles(zk.shape[-2])[:, None, :]
-        if self.angles_by_head and self._one_key_part():
+        if self.angles_broadcast:
             return [_rotated(parts[0], angles, (self.kv_heads, -1, 2))]
         spans = [angles[..., : c // 2], angles[..., c // 2 :]] if c else [angles]
         return [_rotated(k, a, (1, -1, 2)) for k, a in zip(parts, spans, strict=False)]

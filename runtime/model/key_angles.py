@@ -3,11 +3,11 @@
 A latent decode step rebuilds every cached key and rotates it at its position. Decode
 lays a layer's key pairs out in its own order (``LatentFactors.layout``), so each pair's
 angle is gathered from the frequencies: ``rotation[:, idx]`` over the step's positions,
-in every layer of every step. That gather took 3.7 ms of a 70 ms latent step on an AMD
-EPYC VM (cpu-135m at 40%, batch 8, context 256: with this table the step 0.95x, 0.96x in
-two one-process runs of ~90 steps alternated with the gathering engine, whose own A/A
-control read 1.025x; greedy tokens the same). Positions only grow, so the table is
-made once and grown ``GROWTH`` positions at a time.
+in every layer of every step. A profile on an AMD EPYC VM put that gather at 3.5 ms of
+a latent step (cpu-135m at 40%, batch 8, context 256); with this table the step was
+0.970x and 0.936x in two one-process runs of 96 steps alternated with an engine that
+gathers (greedy tokens the same). Positions only grow, so the table is made once and
+grown ``GROWTH`` positions at a time.
 
 Its memory: 8 bytes per key pair and position, as much as one sequence's fp32 keys of
 this rank at the longest context seen (a latent cache saves (r_k + r_v) against 2·KV·D
