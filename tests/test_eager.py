@@ -175,17 +175,20 @@ def up_in_copy_basis(r_k: int, kv: int, d: int, style: str, ranks: int | None):
     st.booleans(),
     st.sampled_from(["neox", "gptj", "none"]),
     st.sampled_from([None, 1, 2]),
+    st.booleans(),
 )
 # every key copied (full rank, bias added in place); a later rank's copied range
-@example([5, 9], 1, 2, 8, 3, True, False, "neox", 1)
-@example([7], 2, 1, 9, 2, True, False, "gptj", 2)
+@example([5, 9], 1, 2, 8, 3, True, False, "neox", 1, False)
+@example([7], 2, 1, 9, 2, True, False, "gptj", 2, False)
+@example([7, 30, 1], 2, 3, 9, 2, False, False, "gptj", 2, True)
 def test_decode_latent_matches_reconstruct_then_attend(
-    lengths, kv, group, r_k, r_v, bias, k_norm, style, copy_ranks
+    lengths, kv, group, r_k, r_v, bias, k_norm, style, copy_ranks, native
 ):
     """Rebuild K (norm, RoPE at true positions) and V for every cached token, then the
     reference paged attention: the same as keys rebuilt per batch with V absorbed.
     ``copy_ranks``: U_k in the copy basis of that many ranks' heads (this rank: the
-    last one's), so that some or all keys are the latent's own columns."""
+    last one's), so that some or all keys are the latent's own columns. ``native``:
+    scored by the native kernel where it takes the layer (no bias, no norm, RoPE)."""
     d, bs = 8, 4
     tables, table_t, q, _, _ = paged_case(12, lengths, kv, group, d, bs)
     pool = max(max(t) for t in tables) + 2
@@ -204,7 +207,9 @@ def test_decode_latent_matches_reconstruct_then_attend(
         eps=1e-6,
         rope_style=style,
         inv_freq=None if style == "none" else freqs,
+        native=native,
     )
+    assert (f.native_scores is not None) == (native and not bias and not k_norm and style != "none")
     if basis:  # pairs taken in turn, the first rank first; none with k_norm
         assert f.copies == (0 if k_norm else 2 * (r_k // 2 // copy_ranks))
     rows = latent.view(-1, r_k + r_v)

@@ -25,6 +25,7 @@ from runtime.kernels.eager import (
 )
 from runtime.model.key_angles import KeyAngles
 from runtime.model.latent_basis import copies_usable
+from runtime.model.native_key_scores import NativeKeyScores, native_key_scores
 from runtime.model.paged_cache import LayerCache
 
 
@@ -49,10 +50,12 @@ class CacheContext:
     sin: torch.Tensor | None
     flat_slots: torch.Tensor = field(init=False, repr=False)
     attn_mask: torch.Tensor = field(init=False, repr=False)
+    lengths: torch.Tensor = field(init=False, repr=False)  # [B] int64: valid tokens
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flat_slots", self.slots.flatten())
         object.__setattr__(self, "attn_mask", self.mask_bias[:, None, None, :])
+        object.__setattr__(self, "lengths", self.valid.sum(-1))
 
 
 def cache_context(
@@ -126,6 +129,7 @@ class LatentFactors:
     eps: float
     rope_style: str  # neox | gptj | none (no RoPE)
     inv_freq: torch.Tensor | None = None  # RoPE's frequencies [head_dim/2]; None: no RoPE
+    native: bool = True  # score with the native kernel where it built and takes the layer
     # What decode multiplies by, made once (``latent_layout``): the key columns in the
     # order decode builds them, each RoPE pair side by side, first the columns that are
     # latent columns copy_from.. (U_k's identity columns, ``runtime.model.latent_basis``),
@@ -149,6 +153,8 @@ class LatentFactors:
     angles_broadcast: bool = field(init=False, repr=False)
     # each key pair's angle at positions 0..L-1 (None: no RoPE), kept between steps
     key_angles: KeyAngles | None = field(init=False, repr=False, compare=False)
+    # rebuild, rotate and score fp32 keys in one pass (None: torch's form, ``key_parts``)
+    native_scores: NativeKeyScores | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         order = rope_pair_order(self.head_dim, self.rope_style).to(self.u_k.device)
@@ -178,6 +184,7 @@ class LatentFactors:
         one_part = self.copies in (0, self.layout.numel())  # all copied, or none
         object.__setattr__(self, "angles_broadcast", self.angles_by_head and one_part)
         object.__setattr__(self, "key_angles", self._key_angles())
+        object.__setattr__(self, "native_scores", self._native_scores())
 
     def _key_angles(self) -> KeyAngles | None:
         if self.inv_freq is None or self.rope_style == "none":
@@ -186,6 +193,15 @@ class LatentFactors:
             index = torch.arange(self.head_dim // 2, device=self.u_k.device)
             return KeyAngles(self.inv_freq, index)
         return KeyAngles(self.inv_freq, self.angle_index)
+
+    def _native_scores(self) -> NativeKeyScores | None:
+        if not self.native or self.key_angles is None:
+            return None
+        angles = self.key_angles  # the native kernel takes one angle per layout pair
+        if self.angles_broadcast:
+            angles = KeyAngles(self.inv_freq, self.angle_index)
+        plain = self.bias_k is None and self.k_norm is None
+        return native_key_scores(self.u_k_rest, (self.copy_from, self.copies), angles, plain)
 
     def keys(self, zk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """zk [..., L, r_k] -> post-RoPE keys [..., L, kv_heads, head_dim]."""
@@ -267,32 +283,21 @@ def decode_latent(
 ) -> torch.Tensor:
     """q [B, H, D] against keys rebuilt from the batch's cached latents; V absorbed.
 
-    One gather of whole [z_k | z_v] rows; the keys' copied columns rotated in place and
-    the rest rebuilt by one GEMM over all the batch's rows (``LatentFactors.key_parts``:
-    their dims in pair order, one complex product each); each query head scored against
-    its KV head's columns through block-diagonal query rows (3x the scores' few FLOPs, no
-    transposed copy of the keys), part by part. Against keys built per
-    sequence as [B, KV, D, L] and rotated in three real passes: a latent decode step
-    1.4% shorter here (cpu-135m at 40%, batch 8, context 256, ~200 ms steps; median of
-    16 runs with the two forms alternating step by step, 14 faster; alone, the attention
-    of one layer 2.8 -> 2.5 ms); greedy tokens the same."""
+    One gather of whole [z_k | z_v] rows; each query head scored against its KV head's
+    key columns through block-diagonal query rows in the keys' layout (3x the scores'
+    few FLOPs, no transposed copy of the keys): by the native kernel where it takes
+    the layer (``LatentFactors.native_scores``), else in torch (``torch_latent_scores``)."""
     batch, heads, d = q.shape
     group = heads // f.kv_heads
     rows = cache.latent_rows
     z = rows.index_select(0, ctx.flat_slots).view(batch, -1, rows.shape[-1])
     z_k, z_v = z[..., : f.r_k], z[..., f.r_k :]
-    parts = f.key_parts(z_k)  # [B, L, ·], KV·D columns in all
     queries = (q * scale).index_select(-1, f.key_dims).view(batch, f.kv_heads, group, -1)
-    blocks = (queries * f.head_mask).view(batch, heads, -1).to(parts[0].dtype)  # [B, H, KV·D]
-    mask = ctx.mask_bias[:, None, :]
-    fused = parts[0].dtype == mask.dtype  # the mask as the first sum's addend
-    scores, first = mask if fused else None, 0
-    for k in parts:
-        query = blocks[..., first : first + k.shape[-1]]
-        step = (query, k.transpose(1, 2))
-        scores = torch.bmm(*step) if scores is None else torch.baddbmm(scores, *step)
-        first += k.shape[-1]
-    scores = scores if fused else scores.float().add_(mask)
+    blocks = (queries * f.head_mask).view(batch, heads, -1)  # [B, H, KV·D]
+    if f.native_scores is not None and z.dtype == torch.float32 and z.device.type == "cpu":
+        scores = f.native_scores(z, ctx.lengths, blocks.float())
+    else:
+        scores = torch_latent_scores(f, z_k, blocks, ctx.mask_bias)
     probs = torch.softmax(scores, dim=-1).to(z_v.dtype)  # [B, H, L]
     pz = torch.bmm(probs, z_v)  # [B, H, r_v]
     # per KV head: its query rows of every sequence times that head's U_v
@@ -301,6 +306,30 @@ def decode_latent(
     if f.bias_v is not None:
         out = out + f.bias_v.view(f.kv_heads, 1, d)
     return out.reshape(batch, heads, d)
+
+
+def torch_latent_scores(
+    f: LatentFactors, z_k: torch.Tensor, blocks: torch.Tensor, mask_bias: torch.Tensor
+) -> torch.Tensor:
+    """Scores [B, H, L] (fp32) of block-diagonal queries [B, H, KV·D] against the keys of
+    z_k [B, L, r_k] (``LatentFactors.key_parts``: the copied columns rotated in place,
+    the rest rebuilt by one GEMM over all the batch's rows), part by part, plus
+    ``mask_bias`` [B, L]. Against keys built per sequence as [B, KV, D, L] and rotated
+    in three real passes: a latent decode step 1.4% shorter here (cpu-135m at 40%,
+    batch 8, context 256, ~200 ms steps; median of 16 runs with the two forms
+    alternating step by step, 14 faster; alone, the attention of one layer 2.8 -> 2.5
+    ms); greedy tokens the same."""
+    parts = f.key_parts(z_k)  # [B, L, ·], KV·D columns in all
+    blocks = blocks.to(parts[0].dtype)
+    mask = mask_bias[:, None, :]
+    fused = parts[0].dtype == mask.dtype  # the mask as the first sum's addend
+    scores, first = mask if fused else None, 0
+    for k in parts:
+        query = blocks[..., first : first + k.shape[-1]]
+        step = (query, k.transpose(1, 2))
+        scores = torch.bmm(*step) if scores is None else torch.baddbmm(scores, *step)
+        first += k.shape[-1]
+    return scores if fused else scores.float().add_(mask)
 
 
 def causal_attention(

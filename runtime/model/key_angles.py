@@ -26,15 +26,30 @@ GROWTH = 256
 
 class KeyAngles:
     """e^(i·position·frequency[index[j]]) [positions, len(index)] (complex64) for
-    positions 0..length-1."""
+    positions 0..length-1; as real tables for the native kernel too (``tables``)."""
 
     def __init__(self, inv_freq: torch.Tensor, index: torch.Tensor) -> None:
         self.inv_freq, self.index = inv_freq, index
         self.table = torch.empty(0, index.numel(), dtype=torch.complex64, device=index.device)
+        self.real: tuple[torch.Tensor, torch.Tensor] | None = None  # of the table's rows
 
     def __call__(self, length: int) -> torch.Tensor:
         if self.table.shape[0] < length:
             rows = -(-length // GROWTH) * GROWTH
             positions = torch.arange(rows, device=self.index.device)
             self.table = rope_rotation(positions, self.inv_freq)[:, self.index]
+            self.real = None
         return self.table[:length]
+
+    def tables(self, length: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [≥ length, width] (fp32): pair j's angle at columns 2j and
+        2j + 1, so that rotating x is x·cos + swap(x)·sin; zero past 2·len(index)."""
+        self(length)  # grows the table (and drops the real tables) where it is short
+        if self.real is None or self.real[0].shape[1] != width:
+            rows, pairs = self.table.shape
+            cos = torch.zeros(rows, width, device=self.index.device)
+            sin = torch.zeros_like(cos)
+            cos[:, : 2 * pairs] = self.table.real.repeat_interleave(2, -1)
+            sin[:, : 2 * pairs] = torch.stack([-self.table.imag, self.table.imag], -1).flatten(1)
+            self.real = (cos, sin)
+        return self.real

@@ -1,0 +1,51 @@
+"""A latent layer's operands for the native latent scores (``runtime.kernels.
+latent_scores``), laid out once: U_k's rebuilt columns padded to the kernel's vector
+width, and the RoPE tables of the layout's pairs (kept between steps, ``KeyAngles``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.latent_scores import LatentScoresLibrary, latent_scores_library
+from runtime.model.key_angles import KeyAngles
+
+
+@dataclass(frozen=True)
+class NativeKeyScores:
+    library: LatentScoresLibrary
+    r_k: int
+    copied: tuple[int, int]  # (first, count): z_k's columns that are key columns
+    u_rest: torch.Tensor  # [r_k, upad]: the other key columns' U_k, zero past them
+    width: int  # key columns in all (copied and rebuilt)
+    angles: KeyAngles  # one per layout pair
+
+    def __call__(self, z: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor):
+        """Scores [B, H, L] (-inf past ``lengths``) of queries [B, H, width] (in the
+        layout's column order) against the keys of the latents z [B, L, ≥ r_k]."""
+        wpad = self.library.padded(self.width)
+        cos, sin = self.angles.tables(z.shape[1], wpad)
+        padded = F.pad(queries, (0, wpad - self.width))
+        return self.library.scores(z, lengths, self.r_k, self.copied, self.u_rest, cos, sin, padded)
+
+
+def native_key_scores(
+    u_k_rest: torch.Tensor, copied: tuple[int, int], angles: KeyAngles | None, plain: bool
+) -> NativeKeyScores | None:
+    """The native form of a latent layer's scores, or None where the library did not
+    build or the layer is one it does not take: ``u_k_rest`` [rest, r_k] (the rebuilt
+    columns' U_k, ``LatentFactors.u_k_rest``) not fp32 on the CPU, no RoPE (``angles``
+    None), or not ``plain`` (a bias or a norm on k)."""
+    library = latent_scores_library()
+    fp32_cpu = u_k_rest.dtype == torch.float32 and u_k_rest.device.type == "cpu"
+    if library is None or angles is None or not plain or not fp32_cpu:
+        return None
+    rest, r_k = u_k_rest.shape
+    upad = library.padded(rest)
+    if copied[1] + upad > library.max_width:
+        return None
+    u_rest = torch.zeros(r_k, upad)
+    u_rest[:, :rest] = u_k_rest.t()
+    return NativeKeyScores(library, r_k, copied, u_rest, copied[1] + rest, angles)

@@ -1,0 +1,169 @@
+"""The native latent scores (``runtime.kernels.latent_scores``) against torch's form
+(``eager_attention.torch_latent_scores``: the keys rebuilt by one GEMM, rotated by a
+complex product, scored by batched products).
+
+fp32 only; tolerance 1e-4 of the scores' scale (each score sums r_k products per key
+column and KV·D per query, in another order). Over hypothesis shapes: head_dim and KV
+heads up to cpu-135m's (64, 3) so that the rebuilt columns span several of the
+kernel's register chunks, ranks that copy none, some or all key columns, lengths that
+end inside a tile of tokens, one or two threads; and the source built for narrower
+vector units than this CPU's (AVX2's 8 lanes, the portable 4), so the code other
+machines run is tested here too."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from runtime.kernels import latent_scores
+from runtime.model.eager_attention import LatentFactors, torch_latent_scores
+from tests.test_eager import randn, up_in_copy_basis
+
+TOL = 1e-4
+
+
+def _factors(kv: int, d: int, r_k: int, style: str, copy_ranks: int | None, native: bool):
+    u_k, _ = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
+    return LatentFactors(
+        r_k=r_k,
+        kv_heads=kv,
+        head_dim=d,
+        u_k=u_k,
+        u_v=randn(3, kv * d, seed=15),
+        bias_k=None,
+        bias_v=None,
+        k_norm=None,
+        eps=1e-6,
+        rope_style=style,
+        inv_freq=1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
+        native=native,
+    )
+
+
+def _case(lengths: list[int], kv: int, group: int, d: int, r_k: int):
+    """z [B, L, r_k + 3] (zero past each length), block-diagonal queries, mask bias."""
+    batch, longest = len(lengths), max(lengths)
+    z = randn(batch, longest, r_k + 3, seed=21)
+    valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    z = z * valid[..., None]
+    queries = randn(batch, kv * group, kv * d, seed=22)
+    head = torch.arange(kv * d) // d
+    queries = queries * (head[None, :] == torch.arange(kv).repeat_interleave(group)[:, None])
+    bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    return z, queries, valid, bias
+
+
+def _scores_match(lengths, kv, group, d, r_k, style, copy_ranks) -> None:
+    native = _factors(kv, d, r_k, style, copy_ranks, True)
+    plain = _factors(kv, d, r_k, style, copy_ranks, False)
+    assert native.native_scores is not None, "the native kernel did not build or take it"
+    z, queries, valid, bias = _case(lengths, kv, group, d, r_k)
+    got = native.native_scores(z, valid.sum(-1), queries)
+    want = torch_latent_scores(plain, z[..., :r_k].clone(), queries, bias)
+    assert torch.equal(torch.isinf(got), ~valid[:, None, :].expand_as(got))
+    finite = valid[:, None, :].expand_as(got)
+    scale = want[finite].abs().max().item() + 1e-6
+    err = (got[finite] - want[finite]).abs().max().item()
+    assert err <= TOL * scale, f"max error {err:.3g} > {TOL} x {scale:.3g}"
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 64]),
+    r_k=st.integers(1, 130),
+    style=st.sampled_from(["neox", "gptj"]),
+    copy_ranks=st.sampled_from([None, 1, 2]),
+    threads=st.sampled_from([1, 2]),
+)
+# cpu-135m's layer at 40% (116 of 192 key columns copied, 76 rebuilt over 5 vectors)
+@example([7, 23, 1, 16], 3, 3, 64, 116, "neox", 1, 2)
+def test_the_native_scores_equal_torch_s(lengths, kv, group, d, r_k, style, copy_ranks, threads):
+    r_k = min(r_k, kv * d * (copy_ranks or 1))  # no more latent columns than keys
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _scores_match(lengths, kv, group, d, r_k, style, copy_ranks)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "width"),
+    [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
+    ids=["avx2-width", "portable-width"],
+)
+def test_narrower_builds_compute_the_same_scores(tmp_path: Path, monkeypatch, flags, width):
+    cpu = Path("/proc/cpuinfo").read_text()
+    assert " avx2 " in cpu or " avx512f " in cpu, "these flags are x86's"
+    lib = latent_scores.build_library("cc", tmp_path / "lib.so", (*latent_scores.FLAGS, *flags))
+    assert lib.width == width
+    monkeypatch.setattr(latent_scores, "latent_scores_library", lambda: lib)
+    monkeypatch.setattr("runtime.model.native_key_scores.latent_scores_library", lambda: lib)
+    for lengths, kv, d, r_k, copy_ranks in [
+        ([5, 2], 1, 8, 5, None),
+        ([9, 1, 4], 2, 16, 20, 1),
+        ([13], 3, 64, 116, 1),
+        ([3, 11], 2, 64, 128, 1),  # every key column copied
+    ]:
+        _scores_match(lengths, kv, 2, d, r_k, "neox", copy_ranks)
+
+
+def test_layers_the_kernel_does_not_take_keep_torch_s_form():
+    f = _factors(2, 8, 6, "neox", 1, True)
+    assert f.native_scores is not None
+    kwargs = {"r_k": 6, "kv_heads": 2, "head_dim": 8, "eps": 1e-6, "rope_style": "neox"}
+    kwargs |= {"u_v": randn(3, 16, seed=1), "bias_v": None}
+    freqs = f.inv_freq
+    for u_k, bias_k, k_norm, inv_freq in [
+        (f.u_k, randn(16, seed=2), None, freqs),  # a bias on k
+        (f.u_k, None, randn(8, seed=3), freqs),  # Qwen3's norm on k
+        (f.u_k, None, None, None),  # no RoPE
+        (f.u_k.double(), None, None, freqs),  # not fp32
+    ]:
+        other = LatentFactors(u_k=u_k, bias_k=bias_k, k_norm=k_norm, inv_freq=inv_freq, **kwargs)
+        assert other.native_scores is None
+
+
+def test_the_kernel_rejects_operands_it_would_misread():
+    lib = latent_scores.latent_scores_library()
+    assert lib is not None
+    w = lib.width
+    z, lengths = torch.randn(2, 5, 10), torch.tensor([5, 3])
+    u, cos, queries = torch.zeros(8, w), torch.zeros(5, w), torch.zeros(2, 3, w)
+    args = (lengths, 8, (0, 2), u, cos, cos, queries)
+    assert lib.scores(z, *args).shape == (2, 3, 5)
+    with pytest.raises(ValueError, match="fp32 operands"):
+        lib.scores(z.double(), *args)
+    with pytest.raises(ValueError, match="even copies"):
+        lib.scores(z, lengths, 8, (0, 3), u, cos, cos, queries)
+    with pytest.raises(ValueError, match="tables"):
+        lib.scores(z, lengths, 8, (0, 2), u, cos[:4], cos[:4], queries)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        lib.scores(z.transpose(0, 1), *args)
+
+
+def test_a_broken_build_leaves_nothing_behind(tmp_path: Path):
+    target = tmp_path / "lib.so"
+    with pytest.raises(subprocess.CalledProcessError):
+        latent_scores.build_library("cc", target, ("-this-flag-does-not-exist",))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_turned_off_there_is_no_native_form(monkeypatch):
+    try:
+        monkeypatch.setenv("DEINFER_NO_NATIVE", "1")
+        latent_scores.latent_scores_library.cache_clear()
+        assert latent_scores.latent_scores_library() is None
+        assert _factors(2, 8, 6, "neox", 1, True).native_scores is None
+    finally:
+        monkeypatch.undo()
+        latent_scores.latent_scores_library.cache_clear()
+    assert latent_scores.latent_scores_library() is not None
