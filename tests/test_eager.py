@@ -345,3 +345,22 @@ def test_key_angles_are_the_rotation_at_every_length_as_the_table_grows():
         want = rope_rotation(torch.arange(length), freqs)[:, index]
         assert torch.equal(angles(length), want), length
     assert angles.table.shape == (3 * GROWTH, 5)
+
+
+def test_the_real_tables_are_the_rotation_pair_by_pair_as_they_grow():
+    """cos and signed sin of each pair at its two columns (x·cos + swap(x)·sin rotates
+    the pair by the kept angle), zero past the pairs; made apart from the complex table."""
+    freqs = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    index = torch.tensor([3, 0, 7])
+    angles, longest = KeyAngles(freqs, index), 0
+    for length in (2, GROWTH + 3, 5):
+        cos, sin = angles.tables(length, 8)
+        longest = max(longest, length)  # grown, never shrunk
+        assert cos.shape == sin.shape == (-(-longest // GROWTH) * GROWTH, 8)
+        want = rope_rotation(torch.arange(length), freqs)[:, index]
+        x = randn(length, 6, seed=30)
+        rotated = x * cos[:length, :6] + x.view(length, 3, 2).flip(-1).flatten(1) * sin[:length, :6]
+        complex_product = torch.view_as_real(torch.view_as_complex(x.view(length, 3, 2)) * want)
+        close(rotated, complex_product.flatten(1), torch.float32, "rotated")
+        assert not cos[:, 6:].any() and not sin[:, 6:].any()
+    assert angles.table.numel() == 0  # the complex table is never made

@@ -10,8 +10,9 @@ gathers (greedy tokens the same). Positions only grow, so the table is made once
 grown ``GROWTH`` positions at a time.
 
 Its memory: 8 bytes per key pair and position, as much as one sequence's fp32 keys of
-this rank at the longest context seen (a latent cache saves (r_k + r_v) against 2·KV·D
-values per token of every sequence in the pool).
+this rank at the longest context seen; the native kernel's real tables (cos and sin per
+key column) twice that (a latent cache saves (r_k + r_v) against 2·KV·D values per token
+of every sequence in the pool).
 """
 
 from __future__ import annotations
@@ -26,30 +27,34 @@ GROWTH = 256
 
 class KeyAngles:
     """e^(i·position·frequency[index[j]]) [positions, len(index)] (complex64) for
-    positions 0..length-1; as real tables for the native kernel too (``tables``)."""
+    positions 0..length-1; or, for the native kernel, as real tables (``tables``). Each
+    form is made on first use: a layer keeps only the one its decode reads."""
 
     def __init__(self, inv_freq: torch.Tensor, index: torch.Tensor) -> None:
         self.inv_freq, self.index = inv_freq, index
         self.table = torch.empty(0, index.numel(), dtype=torch.complex64, device=index.device)
-        self.real: tuple[torch.Tensor, torch.Tensor] | None = None  # of the table's rows
+        self.real: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rotation(self, length: int) -> torch.Tensor:
+        rows = -(-length // GROWTH) * GROWTH
+        return rope_rotation(torch.arange(rows, device=self.index.device), self.inv_freq)[
+            :, self.index
+        ]
 
     def __call__(self, length: int) -> torch.Tensor:
         if self.table.shape[0] < length:
-            rows = -(-length // GROWTH) * GROWTH
-            positions = torch.arange(rows, device=self.index.device)
-            self.table = rope_rotation(positions, self.inv_freq)[:, self.index]
-            self.real = None
+            self.table = self._rotation(length)
         return self.table[:length]
 
     def tables(self, length: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [≥ length, width] (fp32): pair j's angle at columns 2j and
         2j + 1, so that rotating x is x·cos + swap(x)·sin; zero past 2·len(index)."""
-        self(length)  # grows the table (and drops the real tables) where it is short
-        if self.real is None or self.real[0].shape[1] != width:
-            rows, pairs = self.table.shape
-            cos = torch.zeros(rows, width, device=self.index.device)
+        if self.real is None or self.real[0].shape[0] < length or self.real[0].shape[1] != width:
+            rotation = self._rotation(length)
+            cos = torch.zeros(rotation.shape[0], width, device=self.index.device)
             sin = torch.zeros_like(cos)
-            cos[:, : 2 * pairs] = self.table.real.repeat_interleave(2, -1)
-            sin[:, : 2 * pairs] = torch.stack([-self.table.imag, self.table.imag], -1).flatten(1)
+            pairs = 2 * rotation.shape[1]
+            cos[:, :pairs] = rotation.real.repeat_interleave(2, -1)
+            sin[:, :pairs] = torch.stack([-rotation.imag, rotation.imag], -1).flatten(1)
             self.real = (cos, sin)
         return self.real
