@@ -15,7 +15,6 @@ import torch
 from runtime.kernels import native_build
 
 SOURCE = native_build.NATIVE / "latent_scores.c"
-FLAGS = native_build.FLAGS
 
 
 @dataclass(frozen=True)

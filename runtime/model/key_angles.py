@@ -18,8 +18,9 @@ of every sequence in the pool).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from runtime.kernels.eager import rope_rotation
+from runtime.kernels.eager import rope_rotation, rope_tables_of
 
 # positions added per growth: the table is remade ~max_seq_len / GROWTH times in all
 GROWTH = 256
@@ -50,11 +51,8 @@ class KeyAngles:
         """cos and signed sin [≥ length, width] (fp32): pair j's angle at columns 2j and
         2j + 1, so that rotating x is x·cos + swap(x)·sin; zero past 2·len(index)."""
         if self.real is None or self.real[0].shape[0] < length or self.real[0].shape[1] != width:
-            rotation = self._rotation(length)
-            cos = torch.zeros(rotation.shape[0], width, device=self.index.device)
-            sin = torch.zeros_like(cos)
-            pairs = 2 * rotation.shape[1]
-            cos[:, :pairs] = rotation.real.repeat_interleave(2, -1)
-            sin[:, :pairs] = torch.stack([-rotation.imag, rotation.imag], -1).flatten(1)
-            self.real = (cos, sin)
+            # gptj's tables: each pair's two columns side by side, as the layout has them
+            cos, sin = rope_tables_of(self._rotation(length), "gptj")
+            pad = (0, width - cos.shape[1])
+            self.real = (F.pad(cos, pad), F.pad(sin, pad))
         return self.real
