@@ -142,15 +142,17 @@ def test_bench_against_transformers_and_the_floor(tmp_path):
 
 
 def test_bench_rows_record_the_reordered_weights_and_can_go_without():
-    """A row records its rank's reordered weight copies, there exactly when a tuned form
-    uses them; ``pack_weights=False`` starts the engines without any."""
+    """A row records its rank's reordered weights, beside the weights or released in
+    their place, there exactly when a tuned form uses them; ``pack_weights=False``
+    starts the engines without any."""
     for packing in (True, False):
         results = run_bench(_tiny_bench(modes=("dense",), hf=False, reps=1, pack_weights=packing))
         (row,) = results["variants"]
         forms = {f for table in row["gemm_forms"].values() for f in table.values()}
-        assert (row["packed_weight_bytes_per_rank"] > 0) == ("packed" in forms)
+        reordered = row["packed_weight_bytes_per_rank"] + row["released_weight_bytes_per_rank"]
+        assert (reordered > 0) == bool(forms & {"packed", "panel"})
         if not packing:
-            assert row["packed_weight_bytes_per_rank"] == 0 and "packed" not in forms
+            assert reordered == 0 and not forms & {"packed", "panel"}
 
 
 # The paper's settings (requests, prompt tokens, max tokens) and the scale of each preset.

@@ -3,11 +3,13 @@ lockstep mode, from canned and tiny-model runs (no timing assertions)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dsl import load_spec
 from runtime.tools.bench.report import markdown
-from runtime.tools.bench.runner import BenchConfig, run_bench, variants_of
+from runtime.tools.bench.runner import BenchConfig, _phases, run_bench, variants_of
 from tests.conftest import SPECS
 from tests.test_bench import _tiny_bench
 
@@ -128,10 +130,24 @@ def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_pa
 
 def test_lockstep_bench_rows_and_its_limits():
     """In lockstep, engines in this process (tp 1) and with worker processes (tp 2) take
-    turns; the rows get their ratios as in a plain run."""
+    turns, one tp degree at a time with ``phase_by_tp``; the rows get their ratios as in
+    a plain run."""
     cfg = _tiny_bench(
-        modes=("deinfer",), kv_caches=("dense", "latent"), tps=(1, 2), batches=(2,), lockstep=True
+        modes=("deinfer",),
+        kv_caches=("dense", "latent"),
+        tps=(1, 2),
+        batches=(2,),
+        lockstep=True,
+        phase_by_tp=True,
     )
+    phases = [[v.label for v in phase] for phase in _phases(cfg)]
+    assert phases == [
+        ["deinfer kv=dense tp1 b2", "deinfer kv=latent tp1 b2", "hf tp1 b2"],
+        ["deinfer kv=dense tp2 b2", "deinfer kv=latent tp2 b2"],
+    ]
+    assert [v.label for v in _phases(replace(cfg, phase_by_tp=False))[0]] == [
+        v.label for v in variants_of(cfg)
+    ]
     results = run_bench(cfg)
     rows = {v["label"]: v for v in results["variants"]}
     assert set(rows) == {

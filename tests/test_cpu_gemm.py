@@ -6,6 +6,7 @@ timing passes read distinct matrices, and the ranks of a group choose the same f
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from runtime.kernels.cpu_gemm import (
     DECODE_ROWS,
     CpuGemm,
     Form,
+    ReleasedMatrix,
     _cold_sample,
     can_pack,
     choose,
@@ -197,3 +199,44 @@ def test_tuned_and_untuned_engines_give_the_same_greedy_tokens(tmp_path):
                     assert llm.workers.call("packed_weight_bytes") == [0, 0]
                     assert "packed" not in {f for t in forms.values() for f in t.values()}
         assert tokens[0] == tokens[1] == tokens[2], mode
+
+
+def test_a_matrix_multiplied_in_one_reordered_form_is_kept_in_it_alone():
+    """``release`` hands a matrix that every bucket multiplies in its panel form to a
+    ``ReleasedMatrix`` (its copy, no tensor): products by it, at decode and prefill row
+    counts, equal the plain product; a matrix of a shape that mixes forms, or one never
+    packed, is not released; anything but the gemm fails to read it."""
+    b, mixed = (
+        _stored_transposed(64, 96, torch.float32),
+        _stored_transposed(64, 80, torch.float32),
+    )
+    panel = dict.fromkeys(DECODE_ROWS, Form("panel"))
+    gemm = CpuGemm(
+        {
+            (64, 96, torch.float32): panel,
+            (64, 80, torch.float32): {**panel, 64: Form("mm")},
+        }
+    )
+    gemm.pack([b, mixed])
+    assert gemm.release(mixed) is None  # its 64-row bucket reads the matrix as stored
+    assert gemm.release(_stored_transposed(64, 96, torch.float32)) is None  # never packed
+    beside = gemm.packed_bytes()
+    released = gemm.release(b)
+    assert isinstance(released, ReleasedMatrix) and released.shape == (64, 96)
+    assert gemm.packed_bytes() < beside and gemm.released_bytes() >= b.numel() * 4
+    for rows in (1, 7, 64, 65, 600):  # decode buckets and prefill rows alike
+        a = torch.randn(rows, 64)
+        assert _close(gemm(a, released), a @ b, torch.float32), rows
+    with pytest.raises(ValueError, match=r"\[M, 64\] torch.float32 a, found \[3, 32\]"):
+        gemm(torch.randn(3, 32), released)
+    with pytest.raises((TypeError, AttributeError)):  # not a tensor: nothing reads it
+        eager.matmul(torch.randn(3, 64), released)
+
+
+def test_a_reordering_form_takes_every_bucket_only_where_it_is_nearly_the_fastest():
+    mm, panel = Form("mm"), Form("panel")
+    near = {1: {mm: 1.0, panel: 1.08}, 8: {mm: 2.0, panel: 1.0}, 16: {mm: 3.0, panel: 1.5}}
+    far = {**near, 1: {mm: 1.0, panel: 1.2}}
+    gemm = choose({(64, 96, torch.float32): near, (64, 80, torch.float32): far})
+    assert set(gemm.forms[(64, 96, torch.float32)].values()) == {panel}
+    assert gemm.forms[(64, 80, torch.float32)] == {1: mm, 8: panel, 16: panel}

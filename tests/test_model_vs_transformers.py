@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from dsl.plan import UP_SHARDED
+from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.tools.decompose import model_section
 from tests.conftest import TP_EXAMPLES
@@ -32,6 +32,10 @@ RUNS = (
     ("base", "eager"),
     ("dense", "eager"),
     ("deinfer", "eager", UP_SHARDED),  # o/down up factors split, outputs all-gathered
+    # every matrix multiplied only whole kept in the native panel layout alone
+    ("deinfer", "eager", UP_SHARDED, "released"),
+    ("base", "eager", UP_REPLICATED, "released"),
+    ("dense", "eager", UP_REPLICATED, "released"),
 )
 
 

@@ -111,9 +111,22 @@ def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
     return diff, order, torch.equal(Comm.columns(gathered), full), elements
 
 
+def panel_only_gemm(matrices: list[torch.Tensor]):
+    """A tuned gemm that multiplies every fp32 matrix of ``matrices`` by the native panel
+    form at every row count, with each matrix packed: ``release`` takes all of them."""
+    from runtime.kernels.cpu_gemm import DECODE_ROWS, CpuGemm, Form
+
+    panel = dict.fromkeys(DECODE_ROWS, Form("panel"))
+    shapes = {(b.shape[0], b.shape[1], b.dtype) for b in matrices if b.dtype == torch.float32}
+    gemm = CpuGemm(dict.fromkeys(shapes, panel))
+    gemm.pack(matrices)
+    return gemm
+
+
 def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
-    """Logits of the packed ``prompts`` for each (mode, backend[, up layout]), with comm
-    counts."""
+    """Logits of the packed ``prompts`` for each (mode, backend[, up layout[,
+    "released"]]), with comm counts; "released": the eager model with every matrix it
+    multiplies only whole kept in the panel form alone (``TPModel.release_matrices``)."""
     from runtime.model.attention import packed_causal_attention
     from runtime.model.transformer import TPModel
     from runtime.model.weights import load_rank_weights
@@ -134,6 +147,10 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         model = TPModel(spec, plan.modes[mode], rank, comm, registry, backend, weights)
         if backend == "eager":
             model.prepare_eager()
+        if "released" in run[3:]:
+            gemm = panel_only_gemm(model.matrices())
+            assert model.release_matrices(gemm.release) > 0
+            model.use_gemm(gemm)
         batch = Batch(
             positions=positions,
             n_valid=torch.tensor([len(ids)], dtype=torch.int32),

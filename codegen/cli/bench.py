@@ -60,8 +60,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-weight-packing",
         action="store_true",
-        help="engines tune their products without oneDNN's reordered weights (no second "
-        "copy of the weights in memory)",
+        help="engines tune their products without reordered weights (oneDNN's blocks, the "
+        "native panels), which otherwise replace or sit beside the weights",
     )
     p.add_argument(
         "--lockstep",

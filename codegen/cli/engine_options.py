@@ -41,8 +41,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--no-weight-packing",
         dest="pack_weights",
         action="store_false",
-        help="dynamic path: tune without oneDNN's reordered weights (no second copy of the "
-        "weights in memory; slower from 4 rows on)",
+        help="dynamic path: tune without reordered weights (oneDNN's blocks, the native "
+        "panels), which otherwise replace or sit beside the weights; slower from 2 rows on",
     )
     p.add_argument(
         "--up-layout",

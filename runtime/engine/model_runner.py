@@ -168,6 +168,8 @@ class ModelRunner:
                 timings = sum_over_ranks(timings, self.comm.group)
                 self.gemm = choose(timings)
                 self.gemm.pack(model.matrices())
+                # a matrix multiplied only in its reordered form is kept in that form alone
+                model.release_matrices(self.gemm.release)
                 model.use_gemm(self.gemm)
         return model
 
@@ -360,7 +362,8 @@ class ModelRunner:
         LM head (the embedding is only looked up)."""
         tensors = [*self.model.layers.buffers(), *self.model.final_norm.values()]
         tensors.append(self.model.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        released = self.gemm.released_bytes()  # the weights kept in a tuned form alone
+        return sum(t.numel() * t.element_size() for t in tensors) + released
 
     def plan_up_layout(self) -> str:
         """How this rank holds deinfer's o/down up factors (``auto`` resolved)."""
@@ -374,6 +377,10 @@ class ModelRunner:
     def packed_weight_bytes(self) -> int:
         """Bytes of the reordered weight copies the tuned products keep."""
         return self.gemm.packed_bytes()
+
+    def released_weight_bytes(self) -> int:
+        """Bytes of the weights kept only in a tuned product's layout (no second copy)."""
+        return self.gemm.released_bytes()
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

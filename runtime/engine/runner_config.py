@@ -96,7 +96,8 @@ class RunnerConfig:
     # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
     tune_gemm: bool = True
     # Tuning may keep a reordered copy of the weights whose shape multiplies fastest from
-    # it (oneDNN's blocked layout; about as many bytes again as those weights); off, the
-    # tuner chooses among the forms that read the weights as stored.
+    # it (oneDNN's blocks or the native panels): in place of the weight where that form
+    # takes every row count (``CpuGemm.release``), else beside it; off, the tuner chooses
+    # among the forms that read the weights as stored.
     pack_weights: bool = True
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS

@@ -56,6 +56,10 @@ COLD_BYTES = 256 << 20
 # oneDNN reorders a weight for a row count; from 4 rows on every count gives the same
 # layout (576 x 3072 at 1-64 rows within 3%), one row a 1.5x slower one.
 PACK_ROWS = 16
+# A shape's reordering form takes every row bucket where it is within this factor of
+# the fastest form: the weight is then kept in that form alone (``CpuGemm.release``),
+# one copy instead of two, for a few percent in the buckets another form won.
+SOLE_SLACK = 1.10
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,32 @@ class Form:
             blocks = w.view(n // self.block, self.block, k).transpose(1, 2)
             return torch.matmul(a, blocks).permute(1, 0, 2).reshape(a.shape[0], n)
         return torch.mm(a, b)  # MKL's single call, as F.linear makes it
+
+
+@dataclass(frozen=True, eq=False)
+class ReleasedMatrix:
+    """What a model keeps in place of a matrix b [K, N] that a tuned gemm multiplies only
+    in its reordered form (``CpuGemm.release``): b's shape and dtype, and the reordered
+    copy. It is not a tensor, so anything but ``CpuGemm`` that would read b fails at
+    once instead of reading something else."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    form: Form
+    copy: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.copy.numel() * self.copy.element_size()
+
+    def product(self, a: torch.Tensor) -> torch.Tensor:
+        """a [M, K] · b, any M."""
+        if a.dim() != 2 or a.shape[1] != self.shape[0] or a.dtype != self.dtype:
+            raise ValueError(
+                f"a product by a released {list(self.shape)} {self.dtype} matrix takes a "
+                f"[M, {self.shape[0]}] {self.dtype} a, found {list(a.shape)} {a.dtype}"
+            )
+        return self.form(a.contiguous(), self, self.copy)  # type: ignore[arg-type]
 
 
 def can_pack(b: torch.Tensor) -> bool:
@@ -140,6 +170,8 @@ class CpuGemm:
     # b's reordered copies by (form kind, address, K, N), for the matrices whose shape
     # uses a form that reorders
     packed: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
+    # The matrices kept only in their reordered form (``release``)
+    released: list[ReleasedMatrix] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # The form for every row count up to the last bucket, looked up once here rather
@@ -160,7 +192,32 @@ class CpuGemm:
                 if stored_transposed(b):
                     self.packed[_key(form.kind, b)] = form.reorder(b)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def sole_form(self, b: torch.Tensor) -> Form | None:
+        """The reordering form b's shape uses in every bucket, where b has its copy: the
+        only form b is then multiplied in (prefill rows included)."""
+        forms = set(self.forms.get((b.shape[0], b.shape[1], b.dtype), {}).values())
+        if len(forms) != 1:
+            return None
+        (form,) = forms
+        if not form.reorders or _key(form.kind, b) not in self.packed:
+            return None
+        return form
+
+    def release(self, b: torch.Tensor) -> ReleasedMatrix | None:
+        """Where b is multiplied only in its reordered form (``sole_form``): hand b's
+        copy to a ``ReleasedMatrix`` for the model to keep in b's place (b itself can
+        then go). None where b must stay."""
+        form = self.sole_form(b)
+        if form is None:
+            return None
+        copy = self.packed.pop(_key(form.kind, b))
+        released = ReleasedMatrix((b.shape[0], b.shape[1]), b.dtype, form, copy)
+        self.released.append(released)
+        return released
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor | ReleasedMatrix) -> torch.Tensor:
+        if isinstance(b, ReleasedMatrix):
+            return b.product(a)
         by_rows = self._by_rows.get((b.shape[0], b.shape[1], b.dtype))
         if (
             by_rows is None
@@ -179,8 +236,13 @@ class CpuGemm:
         return form(a.contiguous(), b, packed)
 
     def packed_bytes(self) -> int:
-        """Memory the reordered copies take (beside the matrices themselves)."""
+        """Memory the reordered copies take beside the matrices themselves (a released
+        matrix's copy is no longer beside it: it is the matrix)."""
         return sum(p.numel() * p.element_size() for p in self.packed.values())
+
+    def released_bytes(self) -> int:
+        """Memory the released matrices' reordered copies take."""
+        return sum(r.nbytes for r in self.released)
 
     def describe(self) -> dict[str, dict[str, str]]:
         """{"KxN": {rows: form}} for benchmark reports."""
@@ -308,6 +370,18 @@ def _fastest(per_rows: dict[int, dict[Form, float]]) -> dict[int, Form]:
     }
 
 
+def _sole(per_rows: dict[int, dict[Form, float]], best: dict[int, Form]) -> dict[int, Form]:
+    """``best`` with its reordering form in every bucket, where that form is within
+    ``SOLE_SLACK`` of each bucket's fastest: the weight then needs no other copy."""
+    reordering = {f for f in best.values() if f.reorders}
+    if len(reordering) != 1:
+        return best
+    (form,) = reordering
+    close = all(fs[form] <= SOLE_SLACK * fs[best[r]] for r, fs in per_rows.items())
+    return dict.fromkeys(best, form) if close else best
+
+
 def choose(timings: Timings) -> CpuGemm:
-    """The fastest form per shape and row bucket (``_fastest``)."""
-    return CpuGemm({key: _fastest(per_rows) for key, per_rows in timings.items()})
+    """The fastest form per shape and row bucket (``_fastest``), a reordering form in
+    every bucket where it is nearly the fastest in each (``_sole``)."""
+    return CpuGemm({key: _sole(per_rows, _fastest(per_rows)) for key, per_rows in timings.items()})

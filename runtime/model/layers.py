@@ -95,6 +95,25 @@ class DecoderLayer(nn.Module):
     def fuse_columns(self) -> None:
         """Modes whose column projections share an input multiply them as one GEMM."""
 
+    def gemm_only(self) -> set[str]:
+        """Names of the matrices the eager backend reads only whole, through ``gemm``:
+        the ones a tuned gemm may keep in its own layout alone (``release``)."""
+        return {name for name in self.names if self.w(name).dim() == 2}
+
+    def release(self, stand_in: Callable[[torch.Tensor], object | None]) -> int:
+        """Replace each ``gemm_only`` matrix for which ``stand_in`` gives a stand-in
+        (``CpuGemm.release``): the buffer goes, its memory with it, and the stand-in is
+        what ``w`` returns from now on. Returns how many were replaced."""
+        count = 0
+        for name in sorted(self.gemm_only()):
+            replacement = stand_in(self.w(name))
+            if replacement is not None:
+                attribute = name.replace(".", "__")
+                delattr(self, attribute)  # the buffer
+                setattr(self, attribute, replacement)  # a plain attribute
+                count += 1
+        return count
+
     def w(self, name: str) -> torch.Tensor | None:
         return getattr(self, name.replace(".", "__")) if name in self.names else None
 
@@ -173,6 +192,19 @@ class DeinferLayer(DecoderLayer):
         # Row groups whose up factor is split by columns, and the real width their
         # all-gathered output is cut back to: fixed by the plan, looked up once.
         self.gathered_widths = {f.matrix: f.length for f in setup.plan.split_row_ups()}
+
+    def gemm_only(self) -> set[str]:
+        """Not the up factors of a concat group across ranks (the ring multiplies row
+        slices of them, whenever a latent goes round it), nor a latent cache's k and v up
+        factors (its decode reads them: ``runtime.model.eager_attention``)."""
+        kept = set()
+        if self.s.comm.world > 1:
+            for group in ("attn", "mlp"):
+                cat = self.s.plan.concat(group)
+                kept |= {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
+        if self.s.latent_cache:
+            kept |= {"k.u", "v.u"}
+        return super().gemm_only() - kept
 
     def column_group(
         self,

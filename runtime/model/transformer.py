@@ -78,6 +78,11 @@ class TPModel(nn.Module):
         mats = [t for layer in self.layers for t in layer.buffers() if t.dim() == 2]
         return [*mats, self.lm_head.t()]
 
+    def release_matrices(self, stand_in: Callable[[torch.Tensor], object | None]) -> int:
+        """Every layer's ``DecoderLayer.release`` (the LM head stays: the embedding may
+        share it, and its products take a fresh view each step)."""
+        return sum(layer.release(stand_in) for layer in self.layers)
+
     def use_gemm(self, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Eager backend: multiply through ``gemm`` (a tuned ``CpuGemm``) from now on."""
         self.matmul = gemm

@@ -45,13 +45,17 @@ class BenchConfig:
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
     up_layouts: tuple[str, ...] = ("auto",)
-    # Engines tune their products with oneDNN's reordered weights (RunnerConfig.pack_weights:
-    # a second copy of most weights in memory)
+    # Engines tune their products with reordered weights (RunnerConfig.pack_weights)
     pack_weights: bool = True
     # Throughput runs of the engine rows of one batch take their steps in turn, each
     # engine timed over its own (``measure.lockstep_runs``); transformers rows run alone.
     # Not with links: rows that differ only in their link share one engine.
     lockstep: bool = False
+    # Start and measure the engines of one tp degree at a time (all repetitions, then
+    # closed before the next degree's start); transformers' rows go with the first. For
+    # presets whose engines do not all fit in memory at once; rows compared in lockstep
+    # share a tp degree.
+    phase_by_tp: bool = False
 
     def __post_init__(self) -> None:
         if self.lockstep and self.links:
@@ -98,10 +102,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lockstep": True,
         "hf": True,
         "up_layouts": ("auto", "replicated"),
-        # The eight engines live at once (lockstep); with reordered weight copies beside
-        # the weights a rank was killed for memory on this 24 GB machine. Every mode runs
-        # the same unpacked forms.
-        "pack_weights": False,
+        # The engines of tp 2, then those of tp 4: all eight at once, each weight reordered
+        # (its copy kept beside the weight, before ``CpuGemm.release``), a rank was killed
+        # for memory on this 24 GB machine; the four of tp 4 alone, with releasing, used
+        # 20.6 GB at their peak.
+        "phase_by_tp": True,
     },
     # The CPU path against transformers on a 135M Llama (the shape of SmolLM2-135M) at
     # full rank: batch 1 and 16, and the step time with a 16x longer max_seq_len. In

@@ -164,9 +164,11 @@ def _streamed_bytes(v: Variant, engine) -> int:
 class _Session:
     """The engines of one bench run, kept alive across repetitions, and its links."""
 
-    def __init__(self, cfg: BenchConfig, planner: LinkPlanner | None, note) -> None:
+    def __init__(
+        self, cfg: BenchConfig, planner: LinkPlanner | None, note, variants: list[Variant]
+    ) -> None:
         self.cfg, self.planner, self.note = cfg, planner, note
-        self.variants = variants_of(cfg)
+        self.variants = variants
         self.tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
         self.models = _Models(cfg, Path(self.tmp.name))
         self.vocab = self.models.base.model.vocab_size
@@ -271,18 +273,33 @@ def run_bench(
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
     results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
     results["machine"]["bandwidth_threads"] = cores
-    session = _Session(cfg, planner, progress or (lambda message: None))
-    try:
-        session.start()
-        session.resolve_links(results)
-        raw = session.measure()
-        results["variants"] = [session.row(v, raw[v]) for v in session.variants]
-        if planner:
-            results["planner"] = planner.describe()
-    finally:
-        session.close()
+    rows: dict[Variant, dict[str, Any]] = {}
+    for phase in _phases(cfg):
+        session = _Session(cfg, planner, progress or (lambda message: None), phase)
+        try:
+            session.start()
+            session.resolve_links(results)
+            raw = session.measure()
+            rows.update({v: session.row(v, raw[v]) for v in session.variants})
+            if planner:
+                results["planner"] = planner.describe()
+        finally:
+            session.close()
+    results["variants"] = [rows[v] for v in variants_of(cfg)]
     add_ratios(results)
     return results
+
+
+def _phases(cfg: BenchConfig) -> list[list[Variant]]:
+    """The rows whose engines live at once: all of them, or (``phase_by_tp``) those of
+    each tp degree, transformers' rows with the first."""
+    variants = variants_of(cfg)
+    if not cfg.phase_by_tp:
+        return [variants]
+    engines = [v for v in variants if v.mode != "hf"]
+    phases = [[v for v in engines if v.tp == tp] for tp in dict.fromkeys(v.tp for v in engines)]
+    phases[0] += [v for v in variants if v.mode == "hf"]
+    return phases
 
 
 def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
@@ -305,6 +322,8 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "up_layout_used": rank0("plan_up_layout"),
         # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
         "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
+        # rank 0's weights kept only in a tuned form's layout (in place of the weight)
+        "released_weight_bytes_per_rank": rank0("released_weight_bytes"),
         # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
         "latent_key_copies": rank0("latent_key_copies"),
     }
