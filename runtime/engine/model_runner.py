@@ -5,8 +5,6 @@ work proportional to the tokens that exist (``runtime.model.eager_attention``)."
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import time
 from dataclasses import dataclass
 
@@ -24,6 +22,7 @@ from runtime.engine.sequence import SamplingParams
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
 from runtime.kernels.eager import rope_tables
+from runtime.kernels.huge_pages import return_freed_heap
 from runtime.kernels.loader import load_generated
 from runtime.model.eager_attention import (
     CacheContext,
@@ -44,16 +43,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # What a step returns: a token per sequence, and log-probabilities where any was asked.
 Sampled = tuple[list[int], list[TokenLogprobs | None] | None]
-
-
-def return_freed_heap() -> None:
-    """Give the pages of freed host tensors back to the system. glibc keeps freed heap
-    memory mapped: the checkpoint's slices and their copies in the eager layout left a
-    cpu-demo rank at tp 1 (1.25 GB of weights) holding 2.6 GB of anonymous memory, 1.43 GB
-    after ``malloc_trim`` — eight engines of the cpu-target bench did not fit in 24 GB
-    before. Elsewhere than glibc, nothing to do."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass(frozen=True)
