@@ -201,16 +201,19 @@ def test_tuned_and_untuned_engines_give_the_same_greedy_tokens(tmp_path):
         assert tokens[0] == tokens[1] == tokens[2], mode
 
 
-def test_a_matrix_multiplied_in_one_reordered_form_is_kept_in_it_alone():
-    """``release`` hands a matrix that every bucket multiplies in its panel form to a
-    ``ReleasedMatrix`` (its copy, no tensor): products by it, at decode and prefill row
-    counts, equal the plain product; a matrix of a shape that mixes forms, or one never
-    packed, is not released; anything but the gemm fails to read it."""
+@pytest.mark.parametrize("kind", ["panel", "packed"])
+def test_a_matrix_multiplied_in_one_reordered_form_is_kept_in_it_alone(kind):
+    """``release`` hands a matrix that every bucket multiplies in one reordered form (the
+    panels or oneDNN's blocks) to a ``ReleasedMatrix`` (its copy, no tensor): products by
+    it, at decode and prefill row counts, equal the plain product; a matrix of a shape
+    that mixes forms, or one never packed, is not released; anything but the gemm fails
+    to read it."""
     b, mixed = (
         _stored_transposed(64, 96, torch.float32),
         _stored_transposed(64, 80, torch.float32),
     )
-    panel = dict.fromkeys(DECODE_ROWS, Form("panel"))
+    assert kind != "packed" or can_pack(b), "this torch has no oneDNN reorder"
+    panel = dict.fromkeys(DECODE_ROWS, Form(kind))
     gemm = CpuGemm(
         {
             (64, 96, torch.float32): panel,

@@ -22,6 +22,7 @@ from dsl.plan import LayerPlan
 from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
+from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.huge_pages import on_huge_pages
 from runtime.kernels.reference import apply_norm
 
@@ -114,7 +115,8 @@ class DecoderLayer(nn.Module):
                 count += 1
         return count
 
-    def w(self, name: str) -> torch.Tensor | None:
+    def w(self, name: str) -> torch.Tensor | ReleasedMatrix | None:
+        """The weight ``name`` (a ``ReleasedMatrix`` once the tuned gemm keeps it alone)."""
         return getattr(self, name.replace(".", "__")) if name in self.names else None
 
     def normalize(self, x, weight, bias, kind: str) -> torch.Tensor:
