@@ -6,14 +6,20 @@ a latent cache from them gives the same tokens as with a dense one."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dsl import build_plan, load_spec
 from dsl.sharding import COLS
 from runtime.kernels.eager import rope_pair_order
 from runtime.model.eager_attention import latent_layout
-from runtime.model.latent_basis import MAX_ENTRY, CopyBasisSource, copy_basis, rank_pairs
+from runtime.model.latent_basis import (
+    MAX_ENTRY,
+    CopyBasisSource,
+    basis_columns,
+    copy_basis,
+    rank_pairs,
+)
 from runtime.model.shard import DictSource
 
 
@@ -28,16 +34,25 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
     st.sampled_from([4, 8]),
     st.sampled_from(["neox", "gptj", "none"]),
 )
+@example(28, 4, 3, 4, "neox")  # the largest rounding (CI's hypothesis found it)
+@example(8, 3, 1, 4, "neox")  # refused: an entry of S⁻¹·U_k over MAX_ENTRY
 def test_copy_basis_keeps_the_product_and_copies_whole_pairs(rank, ranks, heads, d, style):
     out = ranks * heads * d
     rank = min(rank, out)
     groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
     down, up = randn(11, rank, seed=1), randn(rank, out, seed=2)
     basis = copy_basis(down, up, groups, d, style)
-    assert basis is not None
+    if basis is None:  # refused only for the documented reason: S⁻¹·U_k's entries too
+        columns = basis_columns(up, groups, d, style)  # large (e.g. rank 8 of 12 columns
+        assert columns is not None  # over 3 ranks: 139 against MAX_ENTRY 64)
+        assert torch.linalg.solve(up.double()[:, columns], up.double()).abs().max() > MAX_ENTRY
+        return
     new_down, new_up = basis
     product = down.double() @ up.double()
-    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5)
+    # fp32 factors: within 1e-5 of the product's scale (the worst over the whole strategy
+    # space: 2.9e-6, rank 28 of 48 columns, entries of S⁻¹·U_k up to 41)
+    scale = product.abs().max().item()
+    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5 * scale)
     assert new_up.abs().max() <= MAX_ENTRY
     pairs = [p for group in rank_pairs(groups, d, style) for p in group]
     unit = ((new_up != 0).sum(0) == 1) & (new_up.amax(0) == 1)

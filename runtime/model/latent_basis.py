@@ -105,16 +105,12 @@ def _choose(u: torch.Tensor, pairs: list[list[tuple[int, int]]]) -> list[list[in
     return taken
 
 
-def copy_basis(
-    d: torch.Tensor,
-    u: torch.Tensor,
-    groups: tuple[tuple[int, int], ...],
-    head_dim: int,
-    rope_style: str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(D_k·S, S⁻¹·U_k) for d [in, r], u [r, out], with S the chosen columns of u (see the
-    module); None where there is no such basis (r > out, U_k of lower rank, entries
-    of S⁻¹·U_k over ``MAX_ENTRY``): the factors stay as they are."""
+def basis_columns(
+    u: torch.Tensor, groups: tuple[tuple[int, int], ...], head_dim: int, rope_style: str
+) -> list[int] | None:
+    """The r columns of u [r, out] that ``copy_basis`` makes S of: whole RoPE pairs shared
+    out over the ranks (``_choose``), and for odd r one more, the column least in the
+    span of the others; None where r > out, r < 2 or U_k spans fewer than r dimensions."""
     r, out = u.shape
     if r > out or r < 2:
         return None
@@ -130,6 +126,24 @@ def copy_basis(
         norms = (rest * rest).sum(0)
         norms[columns] = -1.0
         columns.append(int(norms.argmax()))
+    return columns
+
+
+def copy_basis(
+    d: torch.Tensor,
+    u: torch.Tensor,
+    groups: tuple[tuple[int, int], ...],
+    head_dim: int,
+    rope_style: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(D_k·S, S⁻¹·U_k) for d [in, r], u [r, out], with S the chosen columns of u (see the
+    module); None where there is no such basis (r > out, U_k of lower rank, entries
+    of S⁻¹·U_k over ``MAX_ENTRY``): the factors stay as they are."""
+    columns = basis_columns(u, groups, head_dim, rope_style)
+    if columns is None:
+        return None
+    u64 = u.double()
+    r = u.shape[0]
     s = u64[:, columns]
     u_new = torch.linalg.solve(s, u64)
     if not bool(u_new.abs().max() <= MAX_ENTRY):  # NaN too
