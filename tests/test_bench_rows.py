@@ -84,6 +84,23 @@ def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
     assert "step vs kv=dense" in table and "1.50x (1.25–1.50)" in table
 
 
+def test_the_report_names_the_cpus_widest_vector_instructions():
+    """Machines of one model name come with and without AVX-512 (the native kernels'
+    speed differs), so the report says which."""
+    from runtime.tools.bench.variants import vector_isa
+
+    assert vector_isa({"sse4_2", "avx", "avx2", "avx512f", "amx_tile"}) == "AVX-512 + AMX"
+    assert vector_isa({"sse4_2", "avx", "avx2", "fma"}) == "AVX2"
+    assert vector_isa({"neon"}) is None
+    m = {"cpu": "AMD EPYC", "vector_isa": "AVX2", "cores": 2, "gpu": None}
+    results = {
+        "config": {"spec": "s", "prompt_len": 1, "output_len": 1, "reps": 3},
+        "machine": m | {"torch": "t", "triton": "t"},
+        "variants": [],
+    }
+    assert markdown(results).startswith("Machine: AMD EPYC (AVX2), 2 cores, GPU none;")
+
+
 def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_path, monkeypatch):
     """Engines in lockstep take one step each in turn; each one's rates come from its
     own steps, and the greedy tokens are what it makes alone."""

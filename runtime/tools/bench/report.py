@@ -91,12 +91,16 @@ def _header(latent: bool, scaling: bool) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
+def _cpu(m: dict[str, Any]) -> str:
+    return f"{m['cpu']} ({m['vector_isa']})" if m.get("vector_isa") else m["cpu"]
+
+
 def _preamble(results: dict[str, Any]) -> str:
     m = results["machine"]
     cfg = results["config"]
     bandwidth = m.get("memory_bandwidth_bytes_per_s")
     return (
-        f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
+        f"Machine: {_cpu(m)}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
         f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['prompt_len']} prompt + "
         f"{cfg['output_len']} output tokens per request, {cfg['reps']} interleaved repetitions "
         "after a warm-up"

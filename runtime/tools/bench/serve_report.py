@@ -14,8 +14,9 @@ def markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = []
     if m := results.get("machine"):
+        isa = f"{m['vector_isa']}, " if m.get("vector_isa") else ""
         lines.append(
-            f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}; tp {cfg['tp']}, "
+            f"Machine: {m['cpu']} ({isa}{m['cores']} cores), torch {m['torch']}; tp {cfg['tp']}, "
             f"{results['threads_per_rank']} thread(s) per rank; client, server and ranks on "
             "the same cores."
         )

@@ -54,24 +54,39 @@ class Variant:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == platform.processor():
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     import triton
 
     return {
         "cpu": cpu,
+        "vector_isa": vector_isa(flags),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def vector_isa(flags: set[str]) -> str | None:
+    """The widest vector instructions among the CPU's ``flags`` (/proc/cpuinfo): the same
+    model name hides VMs with and without AVX-512, and the native kernels' speed
+    differs between them."""
+    widest = next((name for flag, name in _VECTOR_FLAGS if flag in flags), None)
+    if widest and "amx_tile" in flags:
+        return f"{widest} + AMX"
+    return widest
+
+
+_VECTOR_FLAGS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2"))
 
 
 def max_batch(cfg: BenchConfig) -> int:
