@@ -91,7 +91,8 @@ def _header(latent: bool, scaling: bool) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
-def _cpu(m: dict[str, Any]) -> str:
+def cpu_label(m: dict[str, Any]) -> str:
+    """The machine's CPU as reports name it: model and widest vector instructions."""
     return f"{m['cpu']} ({m['vector_isa']})" if m.get("vector_isa") else m["cpu"]
 
 
@@ -100,8 +101,9 @@ def _preamble(results: dict[str, Any]) -> str:
     cfg = results["config"]
     bandwidth = m.get("memory_bandwidth_bytes_per_s")
     return (
-        f"Machine: {_cpu(m)}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; torch {m['torch']}, "
-        f"triton {m['triton']}. Spec `{cfg['spec']}`, {cfg['prompt_len']} prompt + "
+        f"Machine: {cpu_label(m)}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; "
+        f"torch {m['torch']}, triton {m['triton']}. Spec `{cfg['spec']}`, "
+        f"{cfg['prompt_len']} prompt + "
         f"{cfg['output_len']} output tokens per request, {cfg['reps']} interleaved repetitions "
         "after a warm-up"
         + (

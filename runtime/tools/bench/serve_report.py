@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from runtime.tools.bench.report import cpu_label
+
 
 def _rate(rate: float) -> str:
     return "all at once" if rate == float("inf") else f"{rate:g}/s"
@@ -14,9 +16,8 @@ def markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = []
     if m := results.get("machine"):
-        isa = f"{m['vector_isa']}, " if m.get("vector_isa") else ""
         lines.append(
-            f"Machine: {m['cpu']} ({isa}{m['cores']} cores), torch {m['torch']}; tp {cfg['tp']}, "
+            f"Machine: {cpu_label(m)}, {m['cores']} cores, torch {m['torch']}; tp {cfg['tp']}, "
             f"{results['threads_per_rank']} thread(s) per rank; client, server and ranks on "
             "the same cores."
         )

@@ -54,15 +54,15 @@ class Variant:
 
 
 def machine() -> dict[str, Any]:
-    cpu, flags = platform.processor(), set()
+    first: dict[str, str] = {}  # each field of /proc/cpuinfo as the first core gives it
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == platform.processor():
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            first.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = first.get("model name") or platform.processor()
+    flags = set(first.get("flags", "").split())
     import triton
 
     return {
