@@ -179,6 +179,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "output_len": 16,
         "links": ("ratio:0.373", "ratio:0.7", "ratio:1.5", "ratio:3", "ratio:5.18"),
         "overlap": False,
+        "hf": True,
         "serving": False,
         "breakdown_steps": 4,
     },

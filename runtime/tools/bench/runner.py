@@ -130,7 +130,11 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
 
 
 def _threads(cfg: BenchConfig, v: Variant) -> int:
-    """The row's intra-op threads per rank: its own, the bench's, or cores // tp."""
+    """The row's intra-op threads per rank: its own, the bench's, or cores // tp. The hf
+    row is one process, which a user would give every core the widest engine row uses
+    (at tp 2 with one thread per rank: two threads), never more than the machine has."""
+    if v.mode == "hf" and not v.threads:
+        return min(default_threads(1), (cfg.threads or 0) * max(cfg.tps)) or default_threads(1)
     return v.threads or cfg.threads or default_threads(v.tp)
 
 
