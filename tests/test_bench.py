@@ -12,9 +12,17 @@ import pytest
 from codegen.cli.main import main as cli
 from dsl import load_spec
 from runtime.dist.emulated_link import namespaces
+from runtime.engine.runner_config import default_threads
 from runtime.tools.bench.link_report import link_markdown, link_plot
 from runtime.tools.bench.report import markdown, plots
-from runtime.tools.bench.runner import PRESETS, BenchConfig, preset, run_bench, variants_of
+from runtime.tools.bench.runner import (
+    PRESETS,
+    BenchConfig,
+    _threads,
+    preset,
+    run_bench,
+    variants_of,
+)
 from tests.conftest import REPO, SPECS
 from tests.test_emulated_link import needs_netns
 from tune.link_planner import CostModelPlanner
@@ -168,6 +176,9 @@ def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monke
     assert (serving.serving_requests, serving.prompt_len, serving.output_len) == (8, 8, 32)
     table5 = preset("paper-table5-cpu")
     assert "ratio:5.18" in table5.links and "ratio:0.373" in table5.links  # 12.182 / 2.352
+    # transformers runs on the cores of the tp 2 engine rows (one thread per rank)
+    (hf,) = [v for v in variants_of(table5) if v.mode == "hf"]
+    assert _threads(table5, hf) == min(2, default_threads(1))
     for name in PRESETS:  # every preset names a shipped spec and builds its rows
         cfg = preset(name)
         load_spec(REPO / cfg.spec)

@@ -134,7 +134,8 @@ def _threads(cfg: BenchConfig, v: Variant) -> int:
     row is one process, which a user would give every core the widest engine row uses
     (at tp 2 with one thread per rank: two threads), never more than the machine has."""
     if v.mode == "hf" and not v.threads:
-        return min(default_threads(1), (cfg.threads or 0) * max(cfg.tps)) or default_threads(1)
+        cores = default_threads(1)
+        return min(cores, cfg.threads * max(cfg.tps)) if cfg.threads else cores
     return v.threads or cfg.threads or default_threads(v.tp)
 
 
