@@ -263,3 +263,42 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
     assert table.count("| ratio:0.2 |") == 3 and table.count("| 300mbit |") == 3
     assert link_plot(results, tmp_path).is_file()
     assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []
+
+
+class _FakeEngine:
+    """What ``lockstep_runs`` uses of an engine: one token per request and step."""
+
+    def __init__(self, tp: int, log: list[str], name: str) -> None:
+        self.spec = type("S", (), {"parallel": type("P", (), {"tp": tp})()})()
+        self.workers = type("W", (), {"call": staticmethod(lambda *a: None)})()
+        self.scheduler = type("Q", (), {"has_work": lambda _: self.left > 0})()
+        self.log, self.name, self.left, self.seqs = log, name, 0, []
+
+    def add_request(self, prompt, params):
+        self.seqs.append(type("Seq", (), {"id": len(self.seqs)})())
+        self.left = params.max_tokens
+
+    def step(self):
+        self.log.append(self.name)
+        self.left -= 1
+        return [(s, 0, 0.0) for s in self.seqs]
+
+
+def test_lockstep_waits_out_spinning_threads_before_another_process_steps(monkeypatch):
+    """A 2-thread step in this process is followed by the pause only when some engine's
+    ranks run elsewhere (their cores are the ones the spinning threads would take)."""
+    from runtime.tools.bench import measure
+
+    cfg = replace(preset("cpu-smoke"), output_len=2, num_requests=1)
+    round_with_ranks = ["t1", "t2", "pause", "ranks"]
+    for tps, threads, expected in (
+        ((1, 1, 2), [1, 2, None], round_with_ranks * 2),
+        ((1, 1), [1, 2], ["t1", "t2"] * 2),  # the spinning threads are the next engine's own
+    ):
+        log: list[str] = []
+        monkeypatch.setattr(measure.time, "sleep", lambda s, log=log: log.append("pause"))
+        names = [f"t{t}" if t else "ranks" for t in threads]
+        engines = [_FakeEngine(tp, log, n) for tp, n in zip(tps, names, strict=True)]
+        runs = measure.lockstep_runs(engines, cfg, vocab=8, threads=threads)
+        assert len(runs) == len(engines)
+        assert log == expected

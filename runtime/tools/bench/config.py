@@ -148,7 +148,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (on cpu-demo: the 135M model's 9 heads do not split over 2 ranks), and tp 1 once
     # more with two threads — what the same two cores give without ranks. In lockstep, 5
     # repetitions: row after row, 3 repetitions, tp 2 / tp 1 measured 1.585 on an AMD
-    # EPYC VM whose two-core speed drifted by 10% between rows; in lockstep 1.59.
+    # EPYC VM whose two-core speed drifted by 10% between rows; in lockstep 1.59. The
+    # two-thread row is followed by a pause while its threads stop spinning
+    # (``measure._OPENMP_SPIN_S``): without it tp 2 ran at 91% of that row, with it 99–104%.
     "cpu-tp-scaling": {
         "spec": "specs/cpu-demo.yaml",
         "modes": ("dense",),

@@ -27,6 +27,15 @@ def prompts_for(cfg: BenchConfig, n: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(n)]
 
 
+# After a parallel op, libgomp's idle workers spin before they sleep: here a 2-thread op
+# was followed by 8-10 ms of one busy core. In lockstep, a tp 2 engine (its ranks on both
+# cores) stepping right after a 2-thread step in this process paid for it: a median 4 ms
+# (5%) more per step than after none; in the cpu-tp-scaling preset tp 2 fell from the
+# 2-thread row's speed to 91% of it. Waiting out the spin (outside every timer) before
+# the next engine's step keeps one engine's threads out of another's time.
+_OPENMP_SPIN_S = 0.02
+
+
 class _StepClock:
     """One engine's batch in a lockstep run: its own steps, each timed alone."""
 
@@ -36,9 +45,12 @@ class _StepClock:
         prompts: list[list[int]],
         params: SamplingParams,
         threads: int | None = None,
+        settle: bool = False,
     ) -> None:
         self.llm = llm
         self.threads = threads  # set before each step (an engine in this process)
+        # after each step with threads to spare, wait until they stop spinning
+        self.settle = settle and threads is not None and threads > 1
         self.requests = len(prompts)
         for p in prompts:
             llm.add_request(p, params)
@@ -57,6 +69,8 @@ class _StepClock:
         events = self.llm.step()
         self.steps.append((time.perf_counter() - start, len(events), decode_only))
         self.started.update(s.id for s, _, _ in events)
+        if self.settle:
+            time.sleep(_OPENMP_SPIN_S)
 
     def result(self, prompt_len: int) -> dict[str, float]:
         """Rates over this engine's own step time; decode: the steps after every
@@ -88,11 +102,17 @@ def lockstep_runs(
     within one run's repetitions, in lockstep 1.17–1.38x. The order stays the same
     every round: reversing it gave the engines at its ends two steps in a row (warm
     caches) half the time. ``threads``: per engine, the intra-op thread count to set
-    before each of its steps (engines in this process share one), or None."""
+    before each of its steps (engines in this process share one), or None. When some
+    engine's ranks are other processes, a step with several threads here is followed by
+    a pause (untimed) while those threads stop spinning (``_OPENMP_SPIN_S``)."""
     prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len)
     threads = threads or [None] * len(llms)
-    clocks = [_StepClock(llm, prompts, params, t) for llm, t in zip(llms, threads, strict=True)]
+    ranks_elsewhere = any(llm.spec.parallel.tp > 1 for llm in llms)
+    clocks = [
+        _StepClock(llm, prompts, params, t, settle=ranks_elsewhere)
+        for llm, t in zip(llms, threads, strict=True)
+    ]
     while any(c.busy for c in clocks):
         for c in clocks:
             if c.busy:
