@@ -11,6 +11,7 @@ import pytest
 
 from codegen.cli.main import main as cli
 from dsl import load_spec
+from dsl.errors import UserError
 from runtime.dist.emulated_link import namespaces
 from runtime.engine.runner_config import default_threads
 from runtime.tools.bench.link_report import link_markdown, link_plot
@@ -214,9 +215,15 @@ def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monke
             )
         },
     )
-    assert cli(["bench", "--preset", "test-tiny", "--out", str(tmp_path)]) == 0
+    lengths = ["--prompt-len", str(tiny.prompt_len + 1), "--output-len", str(tiny.output_len + 1)]
+    assert cli(["bench", "--preset", "test-tiny", *lengths, "--out", str(tmp_path)]) == 0
     for name in ("results.json", "results.md", "throughput_vs_tp.png", "breakdown.png"):
         assert (tmp_path / name).is_file()
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    wanted = (tiny.prompt_len + 1, tiny.output_len + 1)
+    assert (config["prompt_len"], config["output_len"]) == wanted
+    with pytest.raises(UserError, match="--output-len"):
+        BenchConfig(spec=tiny.spec, output_len=1)
 
 
 @needs_netns

@@ -97,8 +97,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rates", default=None, help="--serve: requests/s, e.g. 2,8,inf")
     p.add_argument("--num-prompts", type=int, default=None, help="--serve: requests per rate")
-    p.add_argument("--prompt-len", type=int, default=None, help="--serve: prompt tokens")
-    p.add_argument("--output-len", type=int, default=None, help="--serve: output tokens")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request")
     p.add_argument("--dataset", default=None, help="--serve: JSONL of {prompt, max_tokens}")
 
 
@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "tp1_threads": args.tp1_threads,
         "batches": args.batches,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
         "hf": True if args.hf else None,
         "links": tuple(args.link) if args.link else None,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,

@@ -58,6 +58,11 @@ class BenchConfig:
     phase_by_tp: bool = False
 
     def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 2:
+            raise UserError(
+                f"bench: --prompt-len {self.prompt_len} and --output-len {self.output_len}: "
+                "a prompt needs a token, and a decode step two output tokens"
+            )
         if self.lockstep and self.links:
             raise UserError(
                 "bench: --lockstep cannot be combined with --link "
