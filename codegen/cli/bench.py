@@ -7,6 +7,10 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.tools.bench.config import BenchConfig
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -147,16 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        return run_serve(args)
-    from tqdm import tqdm
-
-    from runtime.tools.bench.link_report import link_markdown, link_plot
-    from runtime.tools.bench.report import markdown, plots
-    from runtime.tools.bench.runner import preset, run_bench
-
-    cfg = preset(args.preset)
+def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
+    """The preset ``cfg`` with what the command line gave in its place."""
     overrides = {
         "spec": args.spec,
         "tps": args.tps,
@@ -182,6 +178,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, overlap=False)
     if args.no_weight_packing:
         cfg = replace(cfg, pack_weights=False)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return run_serve(args)
+    from tqdm import tqdm
+
+    from runtime.tools.bench.link_report import link_markdown, link_plot
+    from runtime.tools.bench.report import markdown, plots
+    from runtime.tools.bench.runner import preset, run_bench
+
+    cfg = _bench_config(args, preset(args.preset))
     bar = tqdm(desc="bench", unit="run", file=sys.stderr)
 
     def progress(message: str) -> None:
