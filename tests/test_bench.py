@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -276,13 +277,13 @@ class _FakeEngine:
     """What ``lockstep_runs`` uses of an engine: one token per request and step."""
 
     def __init__(self, tp: int, log: list[str], name: str) -> None:
-        self.spec = type("S", (), {"parallel": type("P", (), {"tp": tp})()})()
-        self.workers = type("W", (), {"call": staticmethod(lambda *a: None)})()
-        self.scheduler = type("Q", (), {"has_work": lambda _: self.left > 0})()
+        self.spec = SimpleNamespace(parallel=SimpleNamespace(tp=tp))
+        self.workers = SimpleNamespace(call=lambda *args: None)
+        self.scheduler = SimpleNamespace(has_work=lambda: self.left > 0)
         self.log, self.name, self.left, self.seqs = log, name, 0, []
 
     def add_request(self, prompt, params):
-        self.seqs.append(type("Seq", (), {"id": len(self.seqs)})())
+        self.seqs.append(SimpleNamespace(id=len(self.seqs)))
         self.left = params.max_tokens
 
     def step(self):
