@@ -114,8 +114,8 @@ class SharedMemoryCollectives:
         # pass instead of a sum in a new tensor copied back. Each pass over a decode
         # step's [16, 2048] fp32 tensor runs on caches the products just evicted; a tp 2
         # rank of cpu-demo at batch 16 spent 4.1-5.3 ms per step in its 17 all-reduces
-        # besides waiting for the other rank, 2.8-3.7 ms this way (wrapped timers, four
-        # runs each).
+        # besides waiting for the other rank, 2.8-3.7 ms this way (wrapped timers; both
+        # ranks of two runs each way).
         flat = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(values[0])
         torch.add(values[0], values[1], out=flat)
         for j in range(2, self.world):
