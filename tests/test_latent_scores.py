@@ -1,6 +1,7 @@
-"""The native latent scores (``runtime.kernels.latent_scores``) against torch's form
-(``eager_attention.torch_latent_scores``: the keys rebuilt by one GEMM, rotated by a
-complex product, scored by batched products).
+"""The native latent scores and values (``runtime.kernels.latent_scores``) against
+torch's form (``eager_attention.torch_latent_scores``: the keys rebuilt by one GEMM,
+rotated by a complex product, scored by batched products; probabilities · z_v by a
+batched product), each reading its tokens' latents from cache rows in random order.
 
 fp32 only; tolerance 1e-4 of the scores' scale (each score sums r_k products per key
 column and KV·D per query, in another order). Over hypothesis shapes: head_dim and KV
@@ -57,12 +58,26 @@ def _case(lengths: list[int], kv: int, group: int, d: int, r_k: int):
     return z, queries, valid, bias
 
 
+def paged(z: torch.Tensor, valid: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """z [B, L, C] as a cache: rows [slots, C] (z's valid rows in random order among
+    rows of noise) and slots [B, L] (row of token j of sequence b; 0 past its length)."""
+    g = torch.Generator().manual_seed(seed)
+    count = int(valid.sum())
+    rows = torch.randn(2 * count + 3, z.shape[-1], generator=g)
+    where = torch.randperm(rows.shape[0], generator=g)[:count]
+    rows[where] = z[valid]
+    slots = torch.zeros(valid.shape, dtype=torch.long)
+    slots[valid] = where
+    return rows, slots
+
+
 def _scores_match(lengths, kv, group, d, r_k, style, copy_ranks) -> None:
     native = _factors(kv, d, r_k, style, copy_ranks, True)
     plain = _factors(kv, d, r_k, style, copy_ranks, False)
     assert native.native_scores is not None, "the native kernel did not build or take it"
     z, queries, valid, bias = _case(lengths, kv, group, d, r_k)
-    got = native.native_scores(z, valid.sum(-1), queries)
+    rows, slots = paged(z, valid, seed=sum(lengths))
+    got = native.native_scores(rows, slots, valid.sum(-1), queries)
     want = torch_latent_scores(plain, z[..., :r_k].clone(), queries, bias)
     assert torch.equal(torch.isinf(got), ~valid[:, None, :].expand_as(got))
     finite = valid[:, None, :].expand_as(got)
@@ -94,6 +109,42 @@ def test_the_native_scores_equal_torch_s(lengths, kv, group, d, r_k, style, copy
         torch.set_num_threads(before)
 
 
+def _values_match(lib, lengths: list[int], heads: int, r_k: int, r_v: int) -> None:
+    batch, longest = len(lengths), max(lengths)
+    valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    z = randn(batch, longest, r_k + r_v, seed=23)
+    scores = randn(batch, heads, longest, seed=24).masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    rows, slots = paged(z, valid, seed=r_v)
+    got = lib.values(probs, rows, slots, valid.sum(-1), r_k)
+    want = torch.bmm(probs.double(), (z * valid[..., None])[..., r_k:].double()).float()
+    scale = want.abs().max().item() + 1e-6
+    err = (got - want).abs().max().item()
+    assert err <= TOL * scale, f"max error {err:.3g} > {TOL} x {scale:.3g}"
+
+
+@settings(deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    heads=st.integers(1, 10),
+    r_k=st.integers(0, 20),
+    r_v=st.integers(1, 200),
+    threads=st.sampled_from([1, 2]),
+)
+@example([256, 3, 255], 9, 116, 116, 2)  # cpu-135m at 40%: the last vector overlaps
+def test_the_native_values_equal_a_plain_product(lengths, heads, r_k, r_v, threads):
+    """probabilities · z_v over r_v below, at and past the vector width (one column at a
+    time, whole vectors, a last vector overlapping the one before) and spans of columns."""
+    lib = latent_scores.latent_scores_library()
+    assert lib is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _values_match(lib, lengths, heads, r_k, r_v)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("flags", "width"),
     [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
@@ -113,6 +164,8 @@ def test_narrower_builds_compute_the_same_scores(tmp_path: Path, monkeypatch, fl
         ([3, 11], 2, 64, 128, 1),  # every key column copied
     ]:
         _scores_match(lengths, kv, 2, d, r_k, "neox", copy_ranks)
+    for lengths, heads, r_v in [([5, 2], 3, 3), ([9, 1], 5, 8), ([13], 9, 116), ([3, 11], 2, 200)]:
+        _values_match(lib, lengths, heads, 4, r_v)
 
 
 def test_layers_the_kernel_does_not_take_keep_torch_s_form():
@@ -135,18 +188,29 @@ def test_the_kernel_rejects_operands_it_would_misread():
     lib = latent_scores.latent_scores_library()
     assert lib is not None
     w = lib.width
-    z, lengths = torch.randn(2, 5, 10), torch.tensor([5, 3])
+    rows, slots, lengths = torch.randn(10, 10), torch.arange(10).view(2, 5), torch.tensor([5, 3])
     u, cos, queries = torch.zeros(8, w), torch.zeros(5, w), torch.zeros(2, 3, w)
     args = (lengths, 8, (0, 2), u, cos, cos, queries)
-    assert lib.scores(z, *args).shape == (2, 3, 5)
+    assert lib.scores(rows, slots, *args).shape == (2, 3, 5)
     with pytest.raises(ValueError, match="fp32 operands"):
-        lib.scores(z.double(), *args)
+        lib.scores(rows.double(), slots, *args)
     with pytest.raises(ValueError, match="even copies"):
-        lib.scores(z, lengths, 8, (0, 3), u, cos, cos, queries)
+        lib.scores(rows, slots, lengths, 8, (0, 3), u, cos, cos, queries)
     with pytest.raises(ValueError, match="tables"):
-        lib.scores(z, lengths, 8, (0, 2), u, cos[:4], cos[:4], queries)
+        lib.scores(rows, slots, lengths, 8, (0, 2), u, cos[:4], cos[:4], queries)
     with pytest.raises(ValueError, match="row-contiguous"):
-        lib.scores(z.transpose(0, 1), *args)
+        lib.scores(rows.t(), slots, *args)
+    with pytest.raises(ValueError, match="slots within the cache's rows"):
+        lib.scores(rows, slots + 1, torch.tensor([5, 5]), *args[1:])  # a token at row 10 of 10
+    probs = torch.full((2, 3, 5), 0.2)
+    assert lib.values(probs, rows, slots, lengths, 8).shape == (2, 3, 2)
+    assert lib.values(probs, rows, slots + 2, lengths.clamp(max=3), 8).shape == (2, 3, 2)
+    with pytest.raises(ValueError, match="slots within the cache's rows"):
+        lib.values(probs, rows, slots - 1, lengths, 8)
+    with pytest.raises(ValueError, match="some z_v columns"):
+        lib.values(probs, rows, slots, lengths, 10)
+    with pytest.raises(ValueError, match=r"probs \[B, H, L\]"):
+        lib.values(probs[:, :, :4], rows, slots, lengths, 8)
 
 
 def test_turned_off_there_is_no_native_form(monkeypatch):

@@ -1,5 +1,6 @@
 """The native latent scores (``native/latent_scores.c``): a latent decode step's keys
-rebuilt, rotated and scored in one pass, built once per machine (``native_build``).
+rebuilt, rotated and scored in one pass, and the probabilities' product with z_v, both
+reading the latents where they lie in the cache; built once per machine (``native_build``).
 Where it did not build, or for operands it does not take (not fp32, no RoPE, a bias or
 a norm on k), decode uses torch's form (``LatentFactors.key_parts``)."""
 
@@ -31,7 +32,8 @@ class LatentScoresLibrary:
 
     def scores(
         self,
-        z: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
         lengths: torch.Tensor,
         r_k: int,
         copied: tuple[int, int],
@@ -41,35 +43,78 @@ class LatentScoresLibrary:
         queries: torch.Tensor,
     ) -> torch.Tensor:
         """Scores [B, H, L] (-inf past ``lengths`` [B]) of ``queries`` [B, H, wpad] against
-        the keys of z [B, L, ≥ r_k] (row-contiguous): its columns ``copied`` = (first,
-        count), then z[..., :r_k] · u_rest [r_k, upad]; pairs rotated by cos, sin [≥ L,
-        wpad] (``KeyAngles.tables``)."""
-        batch, length, _ = z.shape
-        heads, wpad = queries.shape[1], queries.shape[2]
+        the keys of each sequence's tokens, token j of sequence b at row ``slots`` [B,
+        L][b, j] of the cache ``rows`` [slots, ≥ r_k] (row-contiguous; read in place):
+        its columns ``copied`` = (first, count), then row[:r_k] · u_rest [r_k, upad];
+        pairs rotated by cos, sin [≥ L, wpad] (``KeyAngles.tables``)."""
+        (batch, length), heads, wpad = slots.shape, queries.shape[1], queries.shape[2]
         (first, copies), upad = copied, u_rest.shape[1]
+        fp32 = all(t.dtype == torch.float32 for t in (rows, u_rest, cos, sin, queries))
         checks = {
-            "fp32 operands": all(t.dtype == torch.float32 for t in (z, u_rest, cos, sin, queries)),
-            "row-contiguous z": z.stride(-1) == 1 and z.stride(0) == length * z.stride(1),
-            "even copies within z": copies % 2 == 0 and first + copies <= z.shape[-1],
+            "fp32 operands": fp32,
+            "even copies within a row": copies % 2 == 0 and first + copies <= rows.shape[-1],
             "u_rest [r_k, padded]": u_rest.shape[0] == r_k and upad % self.width == 0,
             "padded queries": wpad % self.width == 0 and wpad >= copies,
             f"at most {self.max_width} columns": copies + upad <= self.max_width,
             "tables [≥ L, wpad]": cos.shape[0] >= length and cos.shape[1] == wpad,
-            "one length per sequence": lengths.shape == (batch,),
         }
-        wrong = [what for what, holds in checks.items() if not holds]
-        if wrong:
-            raise ValueError(f"latent scores: need {', '.join(wrong)}")
-        operands = (z, u_rest, cos, sin, queries)
-        z, u_rest, cos, sin, queries = (t.contiguous() for t in operands)
-        lengths = lengths.to(torch.int64).contiguous()
+        _check("latent scores", checks | _row_checks(rows, slots, lengths, r_k))
+        operands = (u_rest, cos, sin, queries)
+        u_rest, cos, sin, queries = (t.contiguous() for t in operands)
+        slots, lengths = slots.contiguous(), lengths.to(torch.int64).contiguous()
         out = torch.empty(batch, heads, length, dtype=torch.float32)
-        self.lib.latent_scores(
-            z.data_ptr(), z.stride(1), batch, length, lengths.data_ptr(), r_k, first,
-            copies, u_rest.data_ptr(), upad, cos.data_ptr(), sin.data_ptr(),
-            queries.data_ptr(), heads, wpad, out.data_ptr(),
+        failed = self.lib.latent_scores(
+            rows.data_ptr(), rows.shape[0], rows.stride(0), slots.data_ptr(), batch, length,
+            lengths.data_ptr(), r_k, first, copies, u_rest.data_ptr(), upad,
+            cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), heads, wpad, out.data_ptr(),
         )  # fmt: skip
+        _check("latent scores", {"slots within the cache's rows": not failed})
         return out
+
+    def values(
+        self,
+        probs: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        r_k: int,
+    ) -> torch.Tensor:
+        """probs [B, H, L] · z_v [B, H, r_v] of the same tokens as ``scores`` (z_v: a
+        row's columns r_k.., read in place), over each sequence's first ``lengths``."""
+        (batch, length), heads = slots.shape, probs.shape[1]
+        r_v = rows.shape[-1] - r_k
+        checks = {
+            "fp32 operands": probs.dtype == rows.dtype == torch.float32,
+            "probs [B, H, L]": probs.shape[0] == batch and probs.shape[2] == length,
+            "some z_v columns": r_v > 0,
+        }
+        _check("latent values", checks | _row_checks(rows, slots, lengths, r_k))
+        probs, slots = probs.contiguous(), slots.contiguous()
+        lengths = lengths.to(torch.int64).contiguous()
+        out = torch.empty(batch, heads, r_v, dtype=torch.float32)
+        failed = self.lib.latent_values(
+            probs.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), slots.data_ptr(),
+            batch, length, lengths.data_ptr(), r_k, r_v, heads, out.data_ptr(),
+        )  # fmt: skip
+        _check("latent values", {"slots within the cache's rows": not failed})
+        return out
+
+
+def _row_checks(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, r_k: int):
+    return {
+        "row-contiguous cache rows [slots, ·] on the CPU": rows.dim() == 2
+        and rows.stride(1) == 1
+        and rows.device.type == "cpu",
+        "rows of at least r_k": rows.shape[1] >= r_k,
+        "int64 slots [B, L]": slots.dtype == torch.int64 and slots.dim() == 2,
+        "one length per sequence": lengths.shape == slots.shape[:1],
+    }
+
+
+def _check(what: str, checks: dict[str, bool]) -> None:
+    wrong = [name for name, holds in checks.items() if not holds]
+    if wrong:
+        raise ValueError(f"{what}: need {', '.join(wrong)}")
 
 
 def build_library(
@@ -81,9 +126,10 @@ def build_library(
 
 def _configured(lib: ctypes.CDLL) -> LatentScoresLibrary:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.latent_scores.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64]
-    lib.latent_scores.argtypes += [ptr, ptr, ptr, i64, i64, ptr]
-    lib.latent_scores.restype = None
+    lib.latent_scores.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.latent_scores.argtypes += [i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.latent_values.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.latent_scores.restype = lib.latent_values.restype = ctypes.c_int
     return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()))
 
 

@@ -22,13 +22,23 @@ class NativeKeyScores:
     width: int  # key columns in all (copied and rebuilt)
     angles: KeyAngles  # one per layout pair
 
-    def __call__(self, z: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor):
+    def __call__(
+        self, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor
+    ) -> torch.Tensor:
         """Scores [B, H, L] (-inf past ``lengths``) of queries [B, H, width] (in the
-        layout's column order) against the keys of the latents z [B, L, ≥ r_k]."""
+        layout's column order) against the keys of the latents at cache rows ``slots``
+        [B, L] of ``rows`` [slots, ≥ r_k] (read in place)."""
         wpad = self.library.padded(self.width)
-        cos, sin = self.angles.tables(z.shape[1], wpad)
+        cos, sin = self.angles.tables(slots.shape[1], wpad)
         padded = F.pad(queries, (0, wpad - self.width))
-        return self.library.scores(z, lengths, self.r_k, self.copied, self.u_rest, cos, sin, padded)
+        operands = (self.r_k, self.copied, self.u_rest, cos, sin, padded)
+        return self.library.scores(rows, slots, lengths, *operands)
+
+    def values(
+        self, probs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """probs [B, H, L] · the same tokens' z_v (``rows``' columns r_k..) [B, H, r_v]."""
+        return self.library.values(probs, rows, slots, lengths, self.r_k)
 
 
 def native_key_scores(

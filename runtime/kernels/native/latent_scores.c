@@ -12,7 +12,13 @@
  * Measured on an AMD EPYC VM (Zen 4, AVX-512; cpu-135m at 40%: r_k 116, 116 copied
  * and 76 rebuilt columns, batch 8, context 256, 9 query heads; medians of 200 calls):
  * the torch form 1.06-1.34 ms with one thread and 0.66-0.85 with two; this kernel
- * 0.61-0.77 and 0.40-0.47. Of its time, ~2/3 is the rebuild's FMAs. */
+ * 0.61-0.77 and 0.40-0.47. Of its time, ~2/3 is the rebuild's FMAs.
+ *
+ * Both this and latent_values (probabilities . z_v) read each token's latents where
+ * they lie, at its cache slot, instead of a copy gathered for the step: the 30 layers
+ * of that step (pools of 2,048 blocks in random order, medians of 15 passes) took
+ * 35.6 ms with two threads gathered (torch's index_select, the scores on the copy, a
+ * batched product for z_v) and 23.6 read in place; 57.5 and 41.0 with one thread. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -22,14 +28,17 @@
 #define VEC 16
 #define TOK 4   /* tokens per tile */
 #define CHUNK 4 /* accumulator vectors per token: 16 of 32 registers */
+#define HEADS 3 /* query heads whose values are summed at once: 12 + 4 registers */
 #elif defined(__AVX__)
 #define VEC 8
 #define TOK 3
 #define CHUNK 4 /* 12 of 16 registers, the rest for U_rest and broadcasts */
+#define HEADS 2 /* 8 + 4 of 16 registers */
 #else
 #define VEC 4
 #define TOK 2
 #define CHUNK 3
+#define HEADS 3 /* 9 + 3 of 16 registers */
 #endif
 #define MAX_WIDTH 1024 /* key columns of one rank (kv_heads x head_dim) and padding */
 
@@ -44,10 +53,10 @@ static inline vec_t load(const float *p) { return *(const vec_t *)p; }
 
 static inline void store(float *p, vec_t v) { memcpy(p, &v, sizeof(vec_t)); }
 
-/* keys[t][col .. col + vecs * VEC) = z[t][:r_k] . u[:, col ..] for tokens tokens
+/* keys[t][col .. col + vecs * VEC) = z[t][:r_k] . u[:, col ..] for tokens tokens (z[t]: token t's row)
  * (tokens and vecs constants in the callers below, so the loops unroll into registers) */
 static inline __attribute__((always_inline)) void rebuild(
-    const float *z, int64_t ldz, int64_t r_k, const float *u, int64_t ldu, int64_t col,
+    const float *const *z, int64_t r_k, const float *u, int64_t ldu, int64_t col,
     float *keys, const int tokens, const int vecs) {
   vec_t acc[TOK][CHUNK];
 #pragma GCC unroll 4
@@ -61,7 +70,7 @@ static inline __attribute__((always_inline)) void rebuild(
     for (int v = 0; v < vecs; v++) w[v] = load(uk + v * VEC);
 #pragma GCC unroll 4
     for (int t = 0; t < tokens; t++) {
-      float zt = z[t * ldz + k];
+      float zt = z[t][k];
 #pragma GCC unroll 4
       for (int v = 0; v < vecs; v++) acc[t][v] += zt * w[v];
     }
@@ -74,11 +83,11 @@ static inline __attribute__((always_inline)) void rebuild(
 
 #define VECS_CASE(n, tokens, zp, kp)                      \
   case n:                                                 \
-    if (n <= CHUNK) rebuild(zp, ldz, r_k, u, upad, col, kp, tokens, n); \
+    if (n <= CHUNK) rebuild(zp, r_k, u, upad, col, kp, tokens, n); \
     break;
 
-/* the rebuilt columns of a tile's tokens (z: the first token's row) */
-static void rebuild_tile(const float *z, int64_t ldz, int64_t r_k, const float *u,
+/* the rebuilt columns of a tile's tokens (z: their rows) */
+static void rebuild_tile(const float *const *z, int64_t r_k, const float *u,
                          int64_t upad, float *rest_keys, int tokens) {
   for (int64_t col = 0; col < upad; col += CHUNK * VEC) {
     int64_t left = (upad - col) / VEC;
@@ -91,25 +100,50 @@ static void rebuild_tile(const float *z, int64_t ldz, int64_t r_k, const float *
       continue;
     }
     for (int t = 0; t < tokens; t++) { /* the last tile of a sequence, token by token */
-      const float *zt = z + t * ldz;
+      const float *const *zt = z + t;
       float *kt = rest_keys + t * MAX_WIDTH;
       switch (vecs) { VECS_CASE(1, 1, zt, kt) VECS_CASE(2, 1, zt, kt) VECS_CASE(3, 1, zt, kt) VECS_CASE(4, 1, zt, kt) }
     }
   }
 }
 
-/* scores [batch][heads][length]: queries [batch][heads][wpad] against the keys of
- * z [batch * length][ldz] (each sequence's length rows; the first lengths[b] hold its
- * tokens, -inf past them): z's columns copy_from .. copy_from + copies, then
+/* the first n floats of row p towards the cache, a line at a time: the tokens AHEAD
+ * tiles on are on their way while this tile is rebuilt (in the measurement above, 0, 1
+ * and 2 tiles ahead: 23.8, 23.6, 23.2 ms with two threads, 42.5, 41.0, 41.0 with one) */
+#ifndef AHEAD
+#define AHEAD 2
+#endif
+static inline void prefetch_row(const float *p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+}
+
+/* whether every slot of each sequence's first lengths[b] (at most length) tokens is a
+ * row of the cache (0 .. rows - 1): the callers read those rows without bounds */
+static int slots_in_range(const int64_t *slots, int64_t batch, int64_t length,
+                          const int64_t *lengths, int64_t rows) {
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t n = lengths[b] < length ? lengths[b] : length;
+    for (int64_t l = 0; l < n; l++)
+      if (slots[b * length + l] < 0 || slots[b * length + l] >= rows) return 0;
+  }
+  return 1;
+}
+
+/* scores [batch][heads][length]: queries [batch][heads][wpad] against the keys of the
+ * first lengths[b] (at most length) tokens of each sequence, token l of sequence b at
+ * cache row slots[b * length + l] of z [rows][ldz] (-inf past them): the row's columns
+ * copy_from .. copy_from + copies, then
  * z[:, :r_k] . u [r_k][upad] (the rest of the key columns, zero past them), the pair at 2j, 2j + 1
  * rotated by cos, sin [length][wpad] as x . cos + swap(x) . sin (sin signed, zero past
  * the key columns). copies and the rest even; wpad, upad multiples of VEC;
- * copies + upad <= MAX_WIDTH. */
-void latent_scores(const float *z, int64_t ldz, int64_t batch, int64_t length,
-                   const int64_t *lengths, int64_t r_k, int64_t copy_from, int64_t copies,
-                   const float *u, int64_t upad, const float *cos,
-                   const float *sin, const float *queries, int64_t heads, int64_t wpad,
-                   float *scores) {
+ * copies + upad <= MAX_WIDTH. Returns -1 (nothing written) where a slot is not below
+ * rows, else 0. */
+int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slots,
+                  int64_t batch, int64_t length, const int64_t *lengths, int64_t r_k,
+                  int64_t copy_from, int64_t copies, const float *u, int64_t upad,
+                  const float *cos, const float *sin, const float *queries, int64_t heads,
+                  int64_t wpad, float *scores) {
+  if (!slots_in_range(slots, batch, length, lengths, rows)) return -1;
   int64_t tiles = (length + TOK - 1) / TOK;
   ivec_t swap;
   for (int i = 0; i < VEC; i++) swap[i] = i ^ 1;
@@ -117,19 +151,22 @@ void latent_scores(const float *z, int64_t ldz, int64_t batch, int64_t length,
   for (int64_t job = 0; job < batch * tiles; job++) {
     int64_t b = job / tiles, l0 = (job % tiles) * TOK;
     int64_t span = length - l0 < TOK ? length - l0 : TOK; /* score columns of this tile */
-    int64_t valid = lengths[b] - l0;
+    int64_t valid = (lengths[b] < length ? lengths[b] : length) - l0;
     int tokens = valid <= 0 ? 0 : (valid < TOK ? (int)valid : TOK);
     float *out = scores + b * heads * length + l0;
     float keys[TOK][MAX_WIDTH] __attribute__((aligned(64)));
+    for (int64_t t = l0 + AHEAD * TOK; t < l0 + (AHEAD + 1) * TOK && t < lengths[b] && t < length; t++)
+      prefetch_row(z + slots[b * length + t] * ldz, r_k);
     if (tokens) {
-      const float *zt = z + (b * length + l0) * ldz;
+      const float *zt[TOK];
+      for (int t = 0; t < tokens; t++) zt[t] = z + slots[b * length + l0 + t] * ldz;
       for (int t = 0; t < TOK; t++) { /* a tile's unused tokens are scored, not written */
         int64_t from = t < tokens ? copies : 0;
         memset(keys[t] + from, 0, (size_t)(wpad - from) * sizeof(float));
       }
       for (int t = 0; t < tokens; t++)
-        memcpy(keys[t], zt + t * ldz + copy_from, (size_t)copies * sizeof(float));
-      rebuild_tile(zt, ldz, r_k, u, upad, keys[0] + copies, tokens);
+        memcpy(keys[t], zt[t] + copy_from, (size_t)copies * sizeof(float));
+      rebuild_tile(zt, r_k, u, upad, keys[0] + copies, tokens);
       for (int t = 0; t < tokens; t++) {
         const float *c = cos + (l0 + t) * wpad, *s = sin + (l0 + t) * wpad;
         for (int64_t j = 0; j < wpad; j += VEC) {
@@ -158,4 +195,87 @@ void latent_scores(const float *z, int64_t ldz, int64_t batch, int64_t length,
       for (int64_t t = tokens; t < span; t++) out[t] = -INFINITY;
     }
   }
+  return 0;
+}
+
+/* acc[h][v] += p[h][t] . z_v[t][start[v] .. + VEC) over tokens t < n (token t at cache
+ * row row[t] of z_v, the rows' z_v columns; p's rows length apart; heads h < hs) */
+static inline __attribute__((always_inline)) void mix(
+    const float *p, int64_t length, int hs, const float *z_v, int64_t ldz, const int64_t *row,
+    int64_t n, const int64_t *start, vec_t acc[HEADS][CHUNK], const int vecs) {
+  for (int64_t t = 0; t < n; t++) {
+    const float *zt = z_v + row[t] * ldz;
+    vec_t w[CHUNK];
+#pragma GCC unroll 4
+    for (int v = 0; v < vecs; v++) w[v] = load(zt + start[v]);
+#pragma GCC unroll 4
+    for (int h = 0; h < HEADS; h++) {
+      float ph = h < hs ? p[h * length + t] : 0.0f;
+#pragma GCC unroll 4
+      for (int v = 0; v < vecs; v++) acc[h][v] += ph * w[v];
+    }
+  }
+}
+
+#define MIX_CASE(n)                                                       \
+  case n:                                                                 \
+    if (n <= CHUNK) mix(ph, length, hs, z_v, ldz, row, count, start, acc, n); \
+    break;
+
+/* out [batch][heads][r_v] = probs [batch][heads][length] . z_v of each sequence's first
+ * lengths[b] (at most length) tokens, token l of sequence b at cache row
+ * slots[b * length + l] of z [rows][ldz], its z_v at columns r_k .. r_k + r_v. One job
+ * per sequence and span of CHUNK vectors of columns: the accumulators of HEADS heads
+ * in registers, each token's span read once per HEADS heads (from L1 or L2 after the
+ * first). Where r_v is not a multiple of VEC, the last vector ends at r_v (it overlaps
+ * the one before; only its new columns are stored): no partial loads. r_v < VEC: one
+ * column at a time. Returns -1 (nothing written) where a slot is not below rows, else 0. */
+int latent_values(const float *probs, const float *z, int64_t rows, int64_t ldz,
+                  const int64_t *slots, int64_t batch, int64_t length,
+                  const int64_t *lengths, int64_t r_k, int64_t r_v, int64_t heads,
+                  float *out) {
+  if (!slots_in_range(slots, batch, length, lengths, rows)) return -1;
+  const int64_t span = CHUNK * VEC, spans = (r_v + span - 1) / span;
+  const float *z_v = z + r_k;
+#pragma omp parallel for schedule(static)
+  for (int64_t job = 0; job < batch * spans; job++) {
+    int64_t b = job / spans, c0 = (job % spans) * span;
+    int64_t count = lengths[b] < length ? lengths[b] : length;
+    int64_t cols = r_v - c0 < span ? r_v - c0 : span;
+    const int64_t *row = slots + b * length;
+    float *o = out + b * heads * r_v;
+    if (r_v < VEC) {
+      for (int64_t h = 0; h < heads; h++)
+        for (int64_t c = 0; c < r_v; c++) {
+          float sum = 0;
+          for (int64_t t = 0; t < count; t++)
+            sum += probs[(b * heads + h) * length + t] * z_v[row[t] * ldz + c];
+          o[h * r_v + c] = sum;
+        }
+      continue;
+    }
+    int vecs = (int)((cols + VEC - 1) / VEC);
+    int64_t start[CHUNK];
+    for (int v = 0; v < vecs; v++) {
+      start[v] = c0 + v * VEC;
+      if (start[v] + VEC > r_v) start[v] = r_v - VEC; /* the last, overlapping */
+    }
+    for (int64_t h0 = 0; h0 < heads; h0 += HEADS) {
+      int hs = heads - h0 < HEADS ? (int)(heads - h0) : HEADS;
+      const float *ph = probs + (b * heads + h0) * length;
+      vec_t acc[HEADS][CHUNK];
+      for (int h = 0; h < HEADS; h++)
+        for (int v = 0; v < CHUNK; v++) acc[h][v] = (vec_t){0};
+      switch (vecs) { MIX_CASE(1) MIX_CASE(2) MIX_CASE(3) MIX_CASE(4) }
+      for (int h = 0; h < hs; h++) {
+        float *oh = o + (h0 + h) * r_v, lanes[VEC];
+        for (int v = 0; v < vecs; v++) { /* columns from c0 + v * VEC on (new ones only) */
+          int64_t first = c0 + v * VEC, skip = first - start[v];
+          memcpy(lanes, &acc[h][v], sizeof lanes);
+          memcpy(oh + first, lanes + skip, (size_t)(VEC - skip) * sizeof(float));
+        }
+      }
+    }
+  }
+  return 0;
 }
