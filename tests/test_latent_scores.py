@@ -200,6 +200,8 @@ def test_the_kernel_rejects_operands_it_would_misread():
         lib.scores(rows, slots, lengths, 8, (0, 2), u, cos[:4], cos[:4], queries)
     with pytest.raises(ValueError, match="row-contiguous"):
         lib.scores(rows.t(), slots, *args)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        lib.scores(rows.flatten(), slots, *args)
     with pytest.raises(ValueError, match="slots within the cache's rows"):
         lib.scores(rows, slots + 1, torch.tensor([5, 5]), *args[1:])  # a token at row 10 of 10
     probs = torch.full((2, 3, 5), 0.2)

@@ -105,7 +105,7 @@ def _row_checks(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, 
         "row-contiguous cache rows [slots, ·] on the CPU": rows.dim() == 2
         and rows.stride(1) == 1
         and rows.device.type == "cpu",
-        "rows of at least r_k": rows.shape[1] >= r_k,
+        "rows of at least r_k": rows.shape[-1] >= r_k,
         "int64 slots [B, L]": slots.dtype == torch.int64 and slots.dim() == 2,
         "one length per sequence": lengths.shape == slots.shape[:1],
     }

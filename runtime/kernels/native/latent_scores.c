@@ -53,7 +53,8 @@ static inline vec_t load(const float *p) { return *(const vec_t *)p; }
 
 static inline void store(float *p, vec_t v) { memcpy(p, &v, sizeof(vec_t)); }
 
-/* keys[t][col .. col + vecs * VEC) = z[t][:r_k] . u[:, col ..] for tokens tokens (z[t]: token t's row)
+/* keys[t][col .. col + vecs * VEC) = z[t][:r_k] . u[:, col ..] for tokens tokens
+ * (z[t]: token t's row)
  * (tokens and vecs constants in the callers below, so the loops unroll into registers) */
 static inline __attribute__((always_inline)) void rebuild(
     const float *const *z, int64_t r_k, const float *u, int64_t ldu, int64_t col,
