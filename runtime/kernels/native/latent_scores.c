@@ -152,11 +152,11 @@ int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slot
   for (int64_t job = 0; job < batch * tiles; job++) {
     int64_t b = job / tiles, l0 = (job % tiles) * TOK;
     int64_t span = length - l0 < TOK ? length - l0 : TOK; /* score columns of this tile */
-    int64_t valid = (lengths[b] < length ? lengths[b] : length) - l0;
-    int tokens = valid <= 0 ? 0 : (valid < TOK ? (int)valid : TOK);
+    int64_t n = lengths[b] < length ? lengths[b] : length; /* the sequence's tokens */
+    int tokens = n - l0 <= 0 ? 0 : (n - l0 < TOK ? (int)(n - l0) : TOK);
     float *out = scores + b * heads * length + l0;
     float keys[TOK][MAX_WIDTH] __attribute__((aligned(64)));
-    for (int64_t t = l0 + AHEAD * TOK; t < l0 + (AHEAD + 1) * TOK && t < lengths[b] && t < length; t++)
+    for (int64_t t = l0 + AHEAD * TOK; t < l0 + (AHEAD + 1) * TOK && t < n; t++)
       prefetch_row(z + slots[b * length + t] * ldz, r_k);
     if (tokens) {
       const float *zt[TOK];
