@@ -5,7 +5,8 @@ Each function has the signature of the generated launcher and of its reference i
 written for CUDA graphs (no host synchronisation, so counts in device memory become
 masks over the whole static buffer), while these read the counts on the host and do
 work only for rows, runs and positions that exist. That is free on a CPU, where host
-and device are the same memory, and it is what the CPU path runs.
+and device are the same memory, and it is what the CPU path runs. Two of them, an fp32
+RMSNorm and RoPE, run as one native pass each (``row_ops``) where it built.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from runtime.kernels import reference
 from runtime.kernels.reference import Segments, apply_norm
+from runtime.kernels.row_ops import row_ops_library
 
 # oneDNN's linear reads an [out, in] weight. Measured on an AMD EPYC (AVX2; 2 threads,
 # the 30 layers of the 135M model, weights streamed from memory, median of 15
@@ -73,10 +75,16 @@ def normalize(
     norm: str,
     eps: float,
 ) -> torch.Tensor:
-    """``reference.apply_norm`` in x's dtype. (F.rms_norm is not fused on a CPU in torch
-    2.13: measured here it took 113 µs for [16, 576] against 77 µs for these five ops.)"""
+    """``reference.apply_norm`` in x's dtype: an fp32 RMSNorm of rows in one native pass
+    (``row_ops``) where it built, else in five torch ops (F.rms_norm is not fused on a
+    CPU in torch 2.13: measured here it took 113 µs for [16, 576] against 77 µs for
+    these five ops)."""
     if norm != "rms" or x.dtype != torch.float32:
         return apply_norm(x, weight, bias, norm=norm, eps=eps).to(x.dtype)
+    native = row_ops_library()
+    y = None if native is None else native.rms_norm(x, weight, eps)
+    if y is not None:
+        return y
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
 
@@ -166,7 +174,15 @@ def rope_pair_order(head_dim: int, style: str) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """RoPE of x [..., head_dim] with tables from ``rope_tables`` broadcast to it, in fp32,
-    the result in x's dtype (four ops in fp32: the pairs of a rotation are swapped by a
+    the result in x's dtype: one native pass (``row_ops``) for fp32 x [T, heads, d] and
+    tables [T, 1, d] where it built, else ``torch_rotate``."""
+    native = row_ops_library()
+    y = None if native is None else native.rotate(x, cos, sin, style)
+    return torch_rotate(x, cos, sin, style) if y is None else y
+
+
+def torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """``rotate`` in torch: four ops in fp32 (the pairs of a rotation are swapped by a
     roll or a flip)."""
     if style == "neox":
         swapped = x.roll(x.shape[-1] // 2, -1)
