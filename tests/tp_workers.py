@@ -9,7 +9,8 @@ from dsl import build_plan, parse_spec
 from dsl.plan import UP_REPLICATED
 from runtime.dist.comm import Comm
 from runtime.kernels.loader import load_generated
-from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
+from runtime.model.layer_modes import LAYER_CLASSES
+from runtime.model.layers import Batch, LayerSetup
 from runtime.model.rope import inv_freq
 from runtime.model.shard import DictSource, shard_layer
 

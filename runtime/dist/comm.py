@@ -96,6 +96,19 @@ class Comm:
         self._done("all_reduce", tensor.numel(), start, tag)
         return tensor
 
+    def summands(self, tensor: torch.Tensor, tag: str = "") -> list[torch.Tensor]:
+        """An all-reduce of ``tensor`` for a caller that adds the sum into something else
+        (``eager.add_and_normalize``: the residual stream and the next norm in one
+        pass): what to sum, in rank order. Through shared memory, every rank's tensor
+        (views of its slots, readable until the collective after next); otherwise the
+        reduced tensor alone."""
+        if self.world == 1 or not self._shared(tensor):
+            return [self.all_reduce(tensor, tag)]
+        start = self._start()
+        values = self.shm.exchange(tensor)
+        self._done("all_reduce", tensor.numel(), start, tag)
+        return list(values.view(self.world, *tensor.shape).unbind(0))
+
     def all_gather_columns(self, local: torch.Tensor, tag: str = "") -> torch.Tensor:
         """[M, W] on each rank -> [M, world·W], rank order along the columns."""
         start = self._start()

@@ -91,7 +91,7 @@ class SharedMemoryCollectives:
             tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= self.capacity
         )
 
-    def _exchange(self, tensor: torch.Tensor) -> torch.Tensor:
+    def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
         """Publish ``tensor`` in this rank's slot, wait for every rank's: the slots
         [world, numel] (readable until the call after next)."""
         if not self.fits(tensor):
@@ -109,7 +109,7 @@ class SharedMemoryCollectives:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (``fits(tensor)`` must hold)."""
-        values = self._exchange(tensor)
+        values = self.exchange(tensor)
         # Summed straight into the tensor (its own values are in its slot by now): one
         # pass instead of a sum in a new tensor copied back. Each pass over a decode
         # step's [16, 2048] fp32 tensor runs on caches the products just evicted; a tp 2
@@ -127,7 +127,7 @@ class SharedMemoryCollectives:
 
     def all_gather(self, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every rank's ``local`` into ``out`` [world, *local.shape], in rank order."""
-        out.copy_(self._exchange(local).view(out.shape))
+        out.copy_(self.exchange(local).view(out.shape))
         return out
 
     def _wait_for(self, call: int) -> None:

@@ -89,6 +89,49 @@ def normalize(
     return y if weight is None else y * weight
 
 
+def add_and_normalize(
+    x: torch.Tensor,
+    summands: list[torch.Tensor],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    norm: str,
+    eps: float,
+) -> torch.Tensor:
+    """The residual stream between two blocks: x += summands[0] + summands[1] + ... in
+    place (an all-reduce's tensors in rank order, ``Comm.summands``, or one tensor), and
+    ``normalize`` of the new x. One native pass per row for an fp32 RMSNorm: after a
+    step's products have streamed their weights through the caches, each separate op
+    pays for cold data and cold code again (``row_ops``)."""
+    native = row_ops_library()
+    if native is not None and norm == "rms" and bias is None:
+        y = native.add_rms_norm(x, [_unit_rows(p) for p in summands], weight, eps)
+        if y is not None:
+            return y
+    add_summands(x, summands)
+    return normalize(x, weight, bias, norm=norm, eps=eps)
+
+
+def add_summands(x: torch.Tensor, summands: list[torch.Tensor]) -> torch.Tensor:
+    """x += summands[0] + summands[1] + ... in place (summed in that order first, as an
+    all-reduce does, so the result has the bits of ``x + all_reduce(...)``)."""
+    native = row_ops_library()
+    if native is not None:
+        parts = [_unit_rows(p) for p in summands]
+        if native.add_rms_norm(x, parts, None, 0.0, normalize=False) is not None:
+            return x
+    total = summands[0]
+    if len(summands) > 1:
+        total = torch.add(summands[0], summands[1])
+        for part in summands[2:]:
+            total.add_(part)
+    return x.add_(total)
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def down_proj(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -26,7 +26,7 @@ class RowOpsLibrary:
         self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
     ) -> torch.Tensor | None:
         """x [rows, dim] (rows any stride, columns unit-stride) / RMS · weight [dim]."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
+        if not _rows(x):
             return None
         if weight is not None and (weight.dtype != torch.float32 or weight.shape != x.shape[1:]):
             return None
@@ -38,6 +38,33 @@ class RowOpsLibrary:
             rows, dim, eps,
         )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        weight: torch.Tensor | None,
+        eps: float,
+        normalize: bool = True,
+    ) -> torch.Tensor | None:
+        """x [rows, dim] += parts[0] + parts[1] + ... (that order), in place, and
+        (``normalize``) its RMSNorm · weight as a new tensor, else x itself. Every part is
+        [rows, dim] with unit-stride rows, like x."""
+        if not _rows(x) or not parts or any(not _rows(p) or p.shape != x.shape for p in parts):
+            return None
+        if weight is not None and (weight.dtype != torch.float32 or weight.shape != x.shape[1:]):
+            return None
+        rows, dim = x.shape
+        w = None if weight is None else weight.contiguous()
+        out = torch.empty(rows, dim, dtype=torch.float32) if normalize else None
+        pointers = (ctypes.c_void_p * len(parts))(*[p.data_ptr() for p in parts])
+        strides = (ctypes.c_int64 * len(parts))(*[p.stride(0) for p in parts])
+        self.lib.add_rms_norm(
+            x.data_ptr(), x.stride(0), pointers, strides, len(parts),
+            None if w is None else w.data_ptr(), None if out is None else out.data_ptr(),
+            rows, dim, eps,
+        )  # fmt: skip
+        return x if out is None else out
 
     def rotate(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
@@ -61,6 +88,11 @@ class RowOpsLibrary:
         return out
 
 
+def _rows(x: torch.Tensor) -> bool:
+    """x is an fp32 CPU matrix with unit-stride rows: what the row kernels read."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
+
+
 def build_library(
     compiler: str, target: Path, flags: tuple[str, ...] = native_build.FLAGS
 ) -> RowOpsLibrary:
@@ -72,7 +104,8 @@ def _configured(lib: ctypes.CDLL) -> RowOpsLibrary:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.rope.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    lib.rms_norm.restype = lib.rope.restype = None
+    lib.add_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.rms_norm.restype = lib.rope.restype = lib.add_rms_norm.restype = None
     return RowOpsLibrary(lib)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +182,32 @@ class DecoderLayer(nn.Module):
         x = x + self.attention_block(x, batch)
         return x + self.mlp_block(x, batch)
 
+    def fuses_residual(self) -> bool:
+        """Whether this layer has ``forward_fused`` (``TPModel.forward`` uses it when
+        every layer has)."""
+        return False
+
+    def forward_fused(
+        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the residual adds fused into the norms after them: x plus
+        the previous layer's ``pending`` (its last product, not yet all-reduced; None
+        before the first layer), in place, and this layer's own pending product."""
+        raise NotImplementedError(type(self).__name__)
+
+    def add_norm(self, x: torch.Tensor, pending: torch.Tensor | None, which: str) -> torch.Tensor:
+        """x += the all-reduce of ``pending`` (in place), and the norm ``which`` of it."""
+        if pending is None:
+            return self.norm(x, which)
+        return eager.add_and_normalize(
+            x,
+            self.s.comm.summands(pending),
+            self.w(f"{which}.weight"),
+            self.w(f"{which}.bias"),
+            norm=self.s.model.norm.kind,
+            eps=self.s.model.norm.eps,
+        )
+
 
 class DeinferLayer(DecoderLayer):
     """Concat-split down factors, latent all-gather overlapped with the up GEMM, local
@@ -310,89 +335,3 @@ class DeinferLayer(DecoderLayer):
             return self.row_group("down", act(out["gate"]) * out["up"], batch)
         out, _ = self.column_group("mlp", ("fc1",), x, "post_norm", batch)
         return self.row_group("fc2", act(out["fc1"]), batch)
-
-
-class BaseLayer(DecoderLayer):
-    """Naive TP: every projection is a Megatron pair followed by an all-reduce of its
-    full output; every rank then computes every head."""
-
-    def project(self, name: str, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.w(f"{name}.v") is not None:
-            y = self.gemm(
-                self.gemm(x, self.w(f"{name}.v"), batch.n_valid), self.w(f"{name}.u"), batch.n_valid
-            )
-        else:
-            f = self.s.plan.factor(f"{name}.weight")
-            lo, hi = f.ranges[self.s.rank]
-            xs = F.pad(x, (0, f.padded - x.shape[1]))[:, lo:hi].contiguous()
-            y = self.gemm(xs, self.w(f"{name}.weight"), batch.n_valid)
-        return self.add_bias(self.s.comm.all_reduce(y), name)
-
-    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        xn = self.norm(x, "input_norm")
-        q, k, v = (self.project(n, xn, batch) for n in ("q", "k", "v"))
-        return self.project("o", self.attend(q, k, v, None, batch), batch)
-
-    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        xn = self.norm(x, "post_norm")
-        act = ACTIVATIONS[self.s.model.mlp.activation]
-        if self.s.model.mlp.kind == "glu":
-            h = act(self.project("gate", xn, batch)) * self.project("up", xn, batch)
-            return self.project("down", h, batch)
-        return self.project("fc2", act(self.project("fc1", xn, batch)), batch)
-
-
-class DenseLayer(DecoderLayer):
-    """Undecomposed Megatron TP over the products D·U: 2 all-reduces of h per block."""
-
-    # Column projections that read the same input, multiplied as one GEMM once
-    # ``fuse_columns`` has concatenated their weights (the eager backend does: at 16 rows
-    # it saved 5% of the GEMM time of the 135M model here, and 20% at one row).
-    FUSED: ClassVar[dict[tuple[str, ...], str]] = {
-        ("q", "k", "v"): "qkv",
-        ("gate", "up"): "gate_up",
-    }
-
-    def fuse_columns(self) -> None:
-        for names, fused in self.FUSED.items():
-            if all(self.w(f"{n}.weight") is not None for n in names):
-                parts = [self.w(f"{n}.weight") for n in names]
-                joined = on_huge_pages(torch.cat([p.t() for p in parts])).t()  # [out, in]
-                for n in names:
-                    delattr(self, f"{n}__weight")
-                self.register_buffer(f"{fused}__weight", joined, persistent=False)
-                self.names = (self.names - {f"{n}.weight" for n in names}) | {f"{fused}.weight"}
-                self.widths = {**getattr(self, "widths", {}), fused: [p.shape[1] for p in parts]}
-
-    def columns(self, names: tuple[str, ...], x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-        fused = self.FUSED.get(names)
-        if fused is not None and self.w(f"{fused}.weight") is not None:
-            y = self.gemm(x, self.w(f"{fused}.weight"), batch.n_valid)
-            outs = y.split(self.widths[fused], dim=1)
-        else:
-            outs = [self.gemm(x, self.w(f"{n}.weight"), batch.n_valid) for n in names]
-        return [self.add_bias(y, n) for y, n in zip(outs, names, strict=True)]
-
-    def row(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:
-        y = self.s.comm.all_reduce(self.gemm(h, self.w(f"{name}.weight"), batch.n_valid))
-        return self.add_bias(y, name)
-
-    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        xn = self.norm(x, "input_norm")
-        q, k, v = self.columns(("q", "k", "v"), xn, batch)
-        return self.row("o", self.attend(q, k, v, None, batch), batch)
-
-    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        xn = self.norm(x, "post_norm")
-        act = ACTIVATIONS[self.s.model.mlp.activation]
-        if self.s.model.mlp.kind == "glu":
-            gate, up = self.columns(("gate", "up"), xn, batch)
-            return self.row("down", act(gate).mul_(up), batch)
-        return self.row("fc2", act(self.columns(("fc1",), xn, batch)[0]), batch)
-
-
-LAYER_CLASSES: dict[str, type[DecoderLayer]] = {
-    "deinfer": DeinferLayer,
-    "base": BaseLayer,
-    "dense": DenseLayer,
-}

@@ -15,7 +15,8 @@ from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
 from runtime.kernels.huge_pages import on_huge_pages
 from runtime.kernels.reference import apply_norm
-from runtime.model.layers import LAYER_CLASSES, Batch, LayerSetup
+from runtime.model.layer_modes import LAYER_CLASSES
+from runtime.model.layers import Batch, LayerSetup
 from runtime.model.rope import inv_freq
 from runtime.model.weights import ModelWeights
 
@@ -118,6 +119,11 @@ class TPModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, h] of the tokens (call ``logits`` on the rows you need)."""
         x = self.embed_tokens(input_ids, positions)
+        if not self.layers or not all(layer.fuses_residual() for layer in self.layers):
+            for layer in self.layers:
+                x = layer(x, batch)
+            return x
+        pending = None  # each layer's last product, all-reduced by the next's first norm
         for layer in self.layers:
-            x = layer(x, batch)
-        return x
+            x, pending = layer.forward_fused(x, pending, batch)
+        return eager.add_summands(x, self.comm.summands(pending))

@@ -30,6 +30,29 @@ static inline vec_t load(const float *p) {
 
 static inline void store(float *p, vec_t v) { memcpy(p, &v, sizeof v); }
 
+static inline float row_scale(const float *xr, int64_t dim, float eps) {
+  vec_t acc = {0};
+  int64_t j = 0;
+  for (; j + VEC <= dim; j += VEC) {
+    vec_t v = load(xr + j);
+    acc += v * v;
+  }
+  float sum = 0;
+  for (int i = 0; i < VEC; i++) sum += acc[i];
+  for (; j < dim; j++) sum += xr[j] * xr[j];
+  return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+static inline void scale_row(const float *xr, const float *w, float scale, float *o,
+                             int64_t dim) {
+  int64_t j = 0;
+  for (; j + VEC <= dim; j += VEC) {
+    vec_t v = load(xr + j) * scale;
+    store(o + j, w ? v * load(w + j) : v);
+  }
+  for (; j < dim; j++) o[j] = w ? xr[j] * scale * w[j] : xr[j] * scale;
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w NULL: no scale); x's rows ldx apart,
  * out's dim apart */
 void rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t rows,
@@ -37,22 +60,32 @@ void rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t r
 #pragma omp parallel for schedule(static) if (rows * dim >= 65536)
   for (int64_t r = 0; r < rows; r++) {
     const float *xr = x + r * ldx;
-    float *o = out + r * dim;
-    vec_t acc = {0};
+    scale_row(xr, w, row_scale(xr, dim, eps), out + r * dim, dim);
+  }
+}
+
+/* The residual stream's step between two blocks, in one pass per row: x[r] += parts[0][r]
+ * + parts[1][r] + ... (summed in that order, the order an all-reduce sums its ranks'
+ * tensors, so every rank gets the same bits), then out[r] = RMSNorm(x[r]) . w (w NULL:
+ * no scale). x's rows ldx apart, part p's ld_parts[p] apart, out's dim apart. */
+void add_rms_norm(float *x, int64_t ldx, const float *const *parts, const int64_t *ld_parts,
+                  int64_t nparts, const float *w, float *out, int64_t rows, int64_t dim,
+                  float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 65536)
+  for (int64_t r = 0; r < rows; r++) {
+    float *xr = x + r * ldx;
     int64_t j = 0;
     for (; j + VEC <= dim; j += VEC) {
-      vec_t v = load(xr + j);
-      acc += v * v;
+      vec_t sum = load(parts[0] + r * ld_parts[0] + j);
+      for (int64_t p = 1; p < nparts; p++) sum += load(parts[p] + r * ld_parts[p] + j);
+      store(xr + j, load(xr + j) + sum);
     }
-    float sum = 0;
-    for (int i = 0; i < VEC; i++) sum += acc[i];
-    for (; j < dim; j++) sum += xr[j] * xr[j];
-    float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (j = 0; j + VEC <= dim; j += VEC) {
-      vec_t v = load(xr + j) * scale;
-      store(o + j, w ? v * load(w + j) : v);
+    for (; j < dim; j++) {
+      float sum = parts[0][r * ld_parts[0] + j];
+      for (int64_t p = 1; p < nparts; p++) sum += parts[p][r * ld_parts[p] + j];
+      xr[j] += sum;
     }
-    for (; j < dim; j++) o[j] = w ? xr[j] * scale * w[j] : xr[j] * scale;
+    if (out) scale_row(xr, w, row_scale(xr, dim, eps), out + r * dim, dim);
   }
 }
 
