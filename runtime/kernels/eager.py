@@ -5,8 +5,9 @@ Each function has the signature of the generated launcher and of its reference i
 written for CUDA graphs (no host synchronisation, so counts in device memory become
 masks over the whole static buffer), while these read the counts on the host and do
 work only for rows, runs and positions that exist. That is free on a CPU, where host
-and device are the same memory, and it is what the CPU path runs. Two of them, an fp32
-RMSNorm and RoPE, run as one native pass each (``row_ops``) where it built.
+and device are the same memory, and it is what the CPU path runs. An fp32 RMSNorm (also
+fused with the residual add before it) and RoPE run as one native pass each
+(``row_ops``) where it built.
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ class TPModel(nn.Module):
             )
             layers.append(layer_class(setup, index, weights.layers[index]))
         self.layers = nn.ModuleList(layers)
+        # Decided once: whether ``forward`` carries each layer's last product unreduced.
+        self.fuses_residual = bool(layers) and all(layer.fuses_residual() for layer in layers)
 
     def prepare_eager(self) -> None:
         """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in]; it
@@ -119,7 +121,7 @@ class TPModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, h] of the tokens (call ``logits`` on the rows you need)."""
         x = self.embed_tokens(input_ids, positions)
-        if not self.layers or not all(layer.fuses_residual() for layer in self.layers):
+        if not self.fuses_residual:
             for layer in self.layers:
                 x = layer(x, batch)
             return x
