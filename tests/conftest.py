@@ -27,6 +27,21 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 TP_EXAMPLES = 5 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else 40
 
 
+# The native kernels built once more with their wider instructions turned off, on this
+# x86 CPU: (extra compiler flags, floats per vector) — the AVX2 and portable widths.
+narrower_builds = pytest.mark.parametrize(
+    ("flags", "width"),
+    [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
+    ids=["avx2-width", "portable-width"],
+)
+
+
+def assert_x86_vectors() -> None:
+    """The flags of ``narrower_builds`` are x86's: the CPU must have AVX2 or AVX-512."""
+    cpu = Path("/proc/cpuinfo").read_text()
+    assert " avx2 " in cpu or " avx512f " in cpu, "these flags are x86's"
+
+
 def deinfer_cli(*args: str, cwd: Path = REPO, env: dict | None = None):
     """``deinfer ARGS`` in a child process (the installed entry point's module)."""
     return subprocess.run(

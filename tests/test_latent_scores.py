@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from runtime.kernels import latent_scores, native_build
 from runtime.model.eager_attention import LatentFactors, torch_latent_scores
+from tests.conftest import assert_x86_vectors, narrower_builds
 from tests.test_eager import randn, up_in_copy_basis
 
 TOL = 1e-4
@@ -145,14 +146,9 @@ def test_the_native_values_equal_a_plain_product(lengths, heads, r_k, r_v, threa
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(
-    ("flags", "width"),
-    [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
-    ids=["avx2-width", "portable-width"],
-)
+@narrower_builds
 def test_narrower_builds_compute_the_same_scores(tmp_path: Path, monkeypatch, flags, width):
-    cpu = Path("/proc/cpuinfo").read_text()
-    assert " avx2 " in cpu or " avx512f " in cpu, "these flags are x86's"
+    assert_x86_vectors()
     lib = latent_scores.build_library("cc", tmp_path / "lib.so", (*native_build.FLAGS, *flags))
     assert lib.width == width
     monkeypatch.setattr(latent_scores, "latent_scores_library", lambda: lib)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from runtime.kernels import panel
 from runtime.kernels.cpu_gemm import Form, _fastest
+from tests.conftest import assert_x86_vectors, narrower_builds
 
 TOL = 1e-4
 
@@ -78,14 +79,9 @@ def test_the_kernel_rejects_operands_it_would_misread():
         lib.product(torch.randn(2, 9), panels, 20)
 
 
-@pytest.mark.parametrize(
-    ("flags", "width"),
-    [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
-    ids=["avx2-width", "portable-width"],
-)
+@narrower_builds
 def test_narrower_builds_compute_the_same_product(tmp_path: Path, flags, width):
-    cpu = Path("/proc/cpuinfo").read_text()
-    assert " avx2 " in cpu or " avx512f " in cpu, "these flags are x86's"
+    assert_x86_vectors()
     lib = panel.build_library("cc", tmp_path / "lib.so", (*panel.FLAGS, *flags))
     assert lib.width == width
     for rows, k, n in [(1, 7, 3), (13, 33, 2 * width + 1), (16, 64, 40), (40, 5, 9)]:

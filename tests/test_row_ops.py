@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import eager, native_build, row_ops
 from runtime.kernels.reference import apply_norm
+from tests.conftest import assert_x86_vectors, narrower_builds
 from tests.test_eager import randn
 
 NORM_TOL, ROPE_TOL = 1e-5, 1e-6
@@ -94,14 +94,9 @@ def test_the_native_rotation_equals_torch_s(tokens, heads, half, style):
     _rope_matches(_library(), tokens, heads, 2 * half, style)
 
 
-@pytest.mark.parametrize(
-    ("flags", "width"),
-    [(("-mno-avx512f",), 8), (("-mno-avx",), 4)],
-    ids=["avx2-width", "portable-width"],
-)
+@narrower_builds
 def test_narrower_builds_compute_the_same_rows(tmp_path: Path, flags, width):
-    cpu = Path("/proc/cpuinfo").read_text()
-    assert " avx2 " in cpu or " avx512f " in cpu, "these flags are x86's"
+    assert_x86_vectors()
     lib = row_ops.build_library("cc", tmp_path / "lib.so", (*native_build.FLAGS, *flags))
     for rows, dim in [(3, width - 1), (5, width), (2, 2 * width + 3), (16, 2048)]:
         _norm_matches(lib, rows, dim, True, True)
