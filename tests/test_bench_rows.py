@@ -218,3 +218,29 @@ def test_tp1_thread_rows_run_at_their_own_thread_count_and_scaling_is_reported(m
         assert paired["min"] <= paired["median"] <= paired["max"]
     table = markdown(results)
     assert "| vs tp 1 |" in table and "| dense kv=dense tp1 b2 threads=2 | 2 |" in table
+
+
+def test_the_report_says_how_much_cpu_time_the_hypervisor_took():
+    """On a shared VM the same run drifts with the time other guests take (steal): the
+    bench measures it over its whole run from /proc/stat's counters."""
+    from runtime.tools.bench.variants import cpu_times, steal_fraction
+
+    stat = "cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\nintr 1\n"
+    before = cpu_times(stat)
+    assert before == [100, 0, 50, 800, 10, 0, 0, 40, 0, 0]
+    after = cpu_times("cpu  160 0 60 900 10 0 0 70 5 0\n")
+    # 200 jiffies passed (guest time is inside user), 30 of them stolen
+    assert steal_fraction(before, after) == pytest.approx(30 / 200)
+    assert steal_fraction(before, before) is None  # no time passed
+    assert steal_fraction(None, after) is None and cpu_times("intr 1\n") is None
+    here = cpu_times()
+    assert here is None or len(here) >= 8
+    m = {"cpu": "AMD EPYC", "cores": 2, "gpu": None, "torch": "t", "triton": "t"}
+    results = {
+        "config": {"spec": "s", "prompt_len": 1, "output_len": 1, "reps": 3},
+        "machine": m | {"cpu_steal_fraction": 0.034},
+        "variants": [],
+    }
+    assert "(steal) during the bench: 3.4% (/proc/stat)." in markdown(results)
+    results["machine"] = m
+    assert "steal" not in markdown(results)

@@ -117,6 +117,12 @@ def _preamble(results: dict[str, Any]) -> str:
             if bandwidth
             else ""
         )
+        + (
+            f" CPU time taken by the hypervisor for other guests (steal) during the bench: "
+            f"{100 * steal:.1f}% (/proc/stat)."
+            if (steal := m.get("cpu_steal_fraction")) is not None
+            else ""
+        )
     )
 
 

@@ -35,9 +35,11 @@ from runtime.tools.bench.measure import (
 from runtime.tools.bench.ratios import add_ratios
 from runtime.tools.bench.variants import (
     Variant,
+    cpu_times,
     machine,
     max_batch,
     planned_elements,
+    steal_fraction,
     variant_spec,
     variants_of,
 )
@@ -275,6 +277,7 @@ def run_bench(
     ``planner``; others (e.g. ``ratio:5.2``) are resolved by it, which also predicts
     each row."""
     cores = default_threads(1)
+    cpu_before = cpu_times()
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
     results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
     results["machine"]["bandwidth_threads"] = cores
@@ -291,6 +294,7 @@ def run_bench(
         finally:
             session.close()
     results["variants"] = [rows[v] for v in variants_of(cfg)]
+    results["machine"]["cpu_steal_fraction"] = steal_fraction(cpu_before, cpu_times())
     add_ratios(results)
     return results
 

@@ -86,6 +86,32 @@ def vector_isa(flags: set[str]) -> str | None:
     return widest
 
 
+def cpu_times(stat: str | None = None) -> list[int] | None:
+    """The machine's CPU time counters (``/proc/stat``'s ``cpu`` line: user, nice,
+    system, idle, iowait, irq, softirq, steal, ...), or None where there are none."""
+    if stat is None:
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu" and len(fields) >= 9:
+            return [int(f) for f in fields[1:]]
+    return None
+
+
+def steal_fraction(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Of the CPU time that passed between two ``cpu_times``, the part the hypervisor
+    gave to other guests (steal): on a shared VM the same run drifts with it, and a tp
+    rank that loses its core holds up the others at the next collective."""
+    if before is None or after is None:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent[:8])  # guest time (fields 9-10) is already counted in user
+    return spent[7] / total if total > 0 else None
+
+
 _VECTOR_FLAGS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2"))
 
 
