@@ -244,3 +244,56 @@ def test_the_report_says_how_much_cpu_time_the_hypervisor_took():
     assert "(steal) during the bench: 3.4% (/proc/stat)." in markdown(results)
     results["machine"] = m
     assert "steal" not in markdown(results)
+
+
+def test_a_rank_alone_row_times_rank_0s_own_work_beside_the_real_tp2_row(monkeypatch):
+    """``rank_alone`` adds each loopback tp 2 row again as its rank 0 alone in this
+    process: the same shard (same streamed bytes, same up layout) at the row's threads,
+    with no process group, set against tp 1 like the real row and named in the legend."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.engine.model_runner import ModelRunner
+
+    cfg = _tiny_bench(
+        modes=("dense", "deinfer"), tps=(1, 2), rank_alone=True, batches=(2,), lockstep=True
+    )
+    labels = [v.label for v in variants_of(cfg) if v.mode != "hf"]
+    assert labels == [
+        "dense kv=dense tp1 b2",
+        "deinfer kv=dense tp1 b2",
+        "dense kv=dense tp2 b2",
+        "dense kv=dense tp2 b2 rank alone",
+        "deinfer kv=dense tp2 b2",
+        "deinfer kv=dense tp2 b2 rank alone",
+    ]
+    assert not any(v.alone for v in variants_of(replace(cfg, links=("1gbit",), lockstep=False)))
+    here: set[tuple[int, int, int]] = set()  # (tp, rank, threads) of steps in this process
+    original = ModelRunner.step
+
+    def recording_step(self, seqs, is_prefill):
+        here.add((self.spec.parallel.tp, self.rank, torch.get_num_threads()))
+        return original(self, seqs, is_prefill)
+
+    monkeypatch.setattr(ModelRunner, "step", recording_step)
+    results = run_bench(cfg)
+    assert here == {(1, 0, 1), (2, 0, 1)} and not dist.is_initialized()
+    rows = {v["label"]: v for v in results["variants"]}
+    for mode in ("dense", "deinfer"):
+        real, alone = rows[f"{mode} kv=dense tp2 b2"], rows[f"{mode} kv=dense tp2 b2 rank alone"]
+        for same in ("streamed_weight_bytes_per_rank", "up_layout_used", "threads_per_rank"):
+            assert alone[same] == real[same], (mode, same)
+        one = rows[f"{mode} kv=dense tp1 b2"]["decode_tokens_per_s"]["median"]
+        for row in (real, alone):  # each keeps its own rate
+            want = row["decode_tokens_per_s"]["median"] / one
+            assert row["decode_speedup_vs_tp1"] == pytest.approx(want)
+    assert "*rank alone*: rank 0 of that tp degree alone" in markdown(results)
+
+
+def test_a_rank_alone_engine_refuses_a_link(tmp_path):
+    from dsl.errors import UserError
+    from runtime.tools.bench.rank_alone import RankAloneLLM
+
+    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(2)
+    with pytest.raises(UserError, match="a rank-alone engine has no link"):
+        RankAloneLLM(spec, tmp_path / "ck", link="1gbit")

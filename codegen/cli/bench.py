@@ -44,6 +44,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="further tp 1 rows with these thread counts, e.g. 2: the cores that tp N uses, "
         "used by threads instead of ranks",
     )
+    p.add_argument(
+        "--rank-alone",
+        action="store_true",
+        help="each tp > 1 row again as its rank 0 alone in this process, collectives skipped: "
+        "the rank's own work per step (timing only)",
+    )
     p.add_argument("--batches", type=_ints, default=None, help="decode batches, e.g. 1,16")
     p.add_argument(
         "--hf", action="store_true", help="add transformers generate on the same weights"
@@ -169,6 +175,7 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "hf": True if args.hf else None,
+        "rank_alone": True if args.rank_alone else None,
         "links": tuple(args.link) if args.link else None,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
         "lockstep": True if args.lockstep else None,

@@ -23,12 +23,13 @@ def _key(
     up_layout: str = "auto",
     tp: int | None = None,
     threads: int | None = None,
+    alone: bool = False,
 ) -> tuple:
     """The row ``var`` would be with another mode, KV cache or up layout, or at tp
     ``tp`` (same ratio, batch, length and link; ``threads``: its own thread count, None
-    the bench's)."""
+    the bench's; ``alone``: its rank 0 alone, ``RankAloneLLM``)."""
     at = (tp or var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
-    return (mode, kv_cache, *at, up_layout, threads)
+    return (mode, kv_cache, *at, up_layout, threads, alone)
 
 
 def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
@@ -47,8 +48,9 @@ def add_ratios(results: dict[str, Any]) -> None:
     for var in results["variants"]:
         var["decode_tokens_per_s"] = _spread(_rates(var))
         var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
-        up, threads = var.get("up_layout", "auto"), var.get("threads")
-        rates[_key(var, var["mode"], var["kv_cache"], up, threads=threads)] = _rates(var)
+        up, threads, alone = var.get("up_layout", "auto"), var.get("threads"), var.get("alone")
+        key = _key(var, var["mode"], var["kv_cache"], up, threads=threads, alone=bool(alone))
+        rates[key] = _rates(var)
     for var in results["variants"]:
         _against_base_and_hf(var, rates)
         _against_tp1(var, rates)
@@ -58,8 +60,9 @@ def add_ratios(results: dict[str, Any]) -> None:
 
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
-    base = rates.get(_key(var, "base", "dense", threads=var.get("threads")))
-    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto", None))
+    alone = bool(var.get("alone"))
+    base = rates.get(_key(var, "base", "dense", threads=var.get("threads"), alone=alone))
+    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto", None, False))
     var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
     if base:
         var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
@@ -82,9 +85,8 @@ def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
 def _latent_against_dense(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     """Step time ratio = dense tok/s over latent tok/s (same batch, so same tokens per
     step): what a latent cache costs per decode step."""
-    dense = rates.get(
-        _key(var, var["mode"], "dense", var.get("up_layout", "auto"), threads=var.get("threads"))
-    )
+    up, threads, alone = var.get("up_layout", "auto"), var.get("threads"), bool(var.get("alone"))
+    dense = rates.get(_key(var, var["mode"], "dense", up, threads=threads, alone=alone))
     if var["kv_cache"] != "latent" or not dense:
         return
     var["step_vs_dense_kv"] = statistics.median(dense) / var["decode_tokens_per_s"]["median"]

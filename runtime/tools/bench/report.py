@@ -126,7 +126,7 @@ def _preamble(results: dict[str, Any]) -> str:
     )
 
 
-def _legend(latent: bool, scaling: bool) -> str:
+def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
     return (
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
@@ -143,6 +143,14 @@ def _legend(latent: bool, scaling: bool) -> str:
             "bench's threads per rank (in brackets: within one repetition); a tp 1 row with "
             "`threads=N` is the same cores used by one process's threads instead of ranks. "
             if scaling
+            else ""
+        )
+        + (
+            "*rank alone*: rank 0 of that tp degree alone in the bench's process, its "
+            "collectives skipped (its tokens mean nothing): the rank's own work per step, "
+            "what tp N would take if its ranks never waited for each other or for the "
+            "driver; the real row's step beyond it is what synchronising costs. "
+            if alone
             else ""
         )
         + "*up*: how deinfer held the o/down up factors (replicated, the paper's layout, or "
@@ -168,7 +176,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{v['output_tokens_per_s']['median']:.1f} | {_serving_cells(v)} | "
             f"{_breakdown_cells(v)} |"
         )
-    lines += ["", _legend(latent, scaling)]
+    alone = any(v.get("alone") for v in results["variants"])
+    lines += ["", _legend(latent, scaling, alone)]
     return "\n".join(lines) + "\n"
 
 

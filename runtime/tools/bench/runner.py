@@ -32,6 +32,7 @@ from runtime.tools.bench.measure import (
     serving_run,
     throughput_run,
 )
+from runtime.tools.bench.rank_alone import RankAloneLLM
 from runtime.tools.bench.ratios import add_ratios
 from runtime.tools.bench.variants import (
     Variant,
@@ -114,7 +115,8 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
 
         return load_transformers(spec, ckpt), spec
     blocks = max_batch(cfg) * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size)
-    llm = LLM(
+    engine_class = RankAloneLLM if v.alone else LLM
+    llm = engine_class(
         spec,
         ckpt,
         mode=v.mode,
@@ -142,9 +144,9 @@ def _threads(cfg: BenchConfig, v: Variant) -> int:
 
 
 def _use_threads(v: Variant, engine, cfg: BenchConfig) -> None:
-    """A tp 1 engine runs in this process, whose thread count other rows may have
-    changed: give it the row's own."""
-    if v.tp == 1:
+    """A tp 1 engine (or a rank alone) runs in this process, whose thread count other
+    rows may have changed: give it the row's own."""
+    if v.in_process:
         engine.workers.call("threads", _threads(cfg, v))
 
 
@@ -243,9 +245,9 @@ class _Session:
                 f"rep {rep + 1}/{self.cfg.reps} in lockstep: " + ", ".join(v.label for v in rows)
             )
             engines = [self.engines[v.engine] for v in rows]
-            # tp 1 engines run in this process, whose thread count they share: each is
-            # given its own before each of its steps
-            threads = [_threads(self.cfg, v) if v.tp == 1 else None for v in rows]
+            # tp 1 engines (and ranks alone) run in this process, whose thread count
+            # they share: each is given its own before each of its steps
+            threads = [_threads(self.cfg, v) if v.in_process else None for v in rows]
             runs = lockstep_runs(engines, self.cfg, self.vocab, batch, threads)
             for v, run in zip(rows, runs, strict=True):
                 raw[v].append({"throughput": run})
@@ -336,7 +338,7 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
         "latent_key_copies": rank0("latent_key_copies"),
     }
-    if v.mode != "hf" and cfg.breakdown:
+    if v.mode != "hf" and cfg.breakdown and not v.alone:  # a rank alone has no collectives
         engine.workers.call("set_comm_stats", "timed")
         row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
         planned = planned_elements(spec, v.mode, row["up_layout_used"])

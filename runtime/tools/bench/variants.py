@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,9 @@ class Variant:
     link: str | None = None  # an emulated link (BenchConfig.links); None: loopback
     up_layout: str = "auto"  # deinfer's o/down up factors (RunnerConfig.up_layout)
     threads: int | None = None  # intra-op threads per rank; None: the bench's (``_threads``)
+    # rank 0 of this tp degree alone in the bench's process, no collectives: the rank's
+    # own work per step (``rank_alone``; timing only)
+    alone: bool = False
 
     @property
     def label(self) -> str:
@@ -36,7 +39,8 @@ class Variant:
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
         link = "" if self.link is None else f" link={self.link}"
         threads = "" if self.threads is None else f" threads={self.threads}"
-        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}{threads}"
+        alone = " rank alone" if self.alone else ""
+        return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}{threads}{alone}"
 
     @property
     def engine(self) -> tuple:
@@ -50,7 +54,14 @@ class Variant:
             self.max_seq_len,
             self.up_layout,
             self.threads,
+            self.alone,
         )
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the row's engine computes in the bench's process (tp 1, or one rank
+        alone), whose intra-op thread count the bench sets before each of its steps."""
+        return self.tp == 1 or self.alone
 
 
 def machine() -> dict[str, Any]:
@@ -157,6 +168,9 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
         if not (kv == "latent" and m != "deinfer")
     ]
+    if cfg.rank_alone:  # each loopback tp > 1 engine row, then its rank 0 alone
+        alone = [(v, replace(v, alone=True)) if v.tp > 1 and v.link is None else (v,) for v in rows]
+        rows = [row for pair in alone for row in pair]
     if cfg.hf:
         rows += [Variant("hf", "-", 1, r, b) for r in (cfg.ratios or (None,)) for b in batches]
     return rows
