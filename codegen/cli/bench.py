@@ -47,8 +47,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rank-alone",
         action="store_true",
-        help="each tp > 1 row again as its rank 0 alone in this process, collectives skipped: "
-        "the rank's own work per step (timing only)",
+        help="each tp > 1 row again as its rank 0 alone in this process, its collectives "
+        "waiting for no one: the rank's own work per step (timing only)",
     )
     p.add_argument("--batches", type=_ints, default=None, help="decode batches, e.g. 1,16")
     p.add_argument(

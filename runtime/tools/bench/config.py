@@ -36,8 +36,8 @@ class BenchConfig:
     # process's threads instead of by ranks, the machine's own scaling that tensor
     # parallelism is set against ("vs tp 1").
     tp1_threads: tuple[int, ...] = ()
-    # Each tp > 1 row again as its rank 0 alone in the bench's process, collectives
-    # skipped (``rank_alone.RankAloneLLM``): the rank's own work per step, beside which
+    # Each tp > 1 row again as its rank 0 alone in the bench's process, its collectives
+    # waiting for no one (``rank_alone.RankAloneLLM``): the rank's own work per step, beside which
     # the real row shows what its ranks' synchronisation costs. Timing only.
     rank_alone: bool = False
     path: str | None = None  # static | dynamic; None: the machine's default
@@ -160,7 +160,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # EPYC VM whose two-core speed drifted by 10% between rows; in lockstep 1.59. The
     # two-thread row is followed by a pause while its threads stop spinning
     # (``measure._OPENMP_SPIN_S``): without it tp 2 ran at 91% of that row, with it 99–104%.
-    # And tp 2's rank 0 alone, collectives skipped: the rank's own work per step.
+    # And tp 2's rank 0 alone, waiting for no one: the rank's own work per step.
     "cpu-tp-scaling": {
         "spec": "specs/cpu-demo.yaml",
         "modes": ("dense",),

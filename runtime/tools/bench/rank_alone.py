@@ -71,7 +71,7 @@ def _rank_zero(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
 
 class RankAloneLLM(LLM):
     """``LLM`` whose one worker is rank 0 of the spec's tp degree, in this process, with
-    no collectives. For timing only (see the module)."""
+    ``SoloComm``'s collectives. For timing only (see the module)."""
 
     def __init__(
         self, spec: Spec, checkpoint: str | Path, up_layout: str = "auto", **options: Any

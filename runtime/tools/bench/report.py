@@ -147,9 +147,9 @@ def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
         )
         + (
             "*rank alone*: rank 0 of that tp degree alone in the bench's process, its "
-            "collectives skipped (its tokens mean nothing): the rank's own work per step, "
-            "what tp N would take if its ranks never waited for each other or for the "
-            "driver; the real row's step beyond it is what synchronising costs. "
+            "collectives waiting for no one (its tokens mean nothing): the rank's own work "
+            "per step, what tp N would take if its ranks never waited for each other or for "
+            "the driver; the real row's step beyond it is what synchronising costs. "
             if alone
             else ""
         )
