@@ -9,7 +9,6 @@ import statistics
 import time
 from typing import Any
 
-from runtime.dist.launcher import WorkerGroup
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
 from runtime.tools.bench.config import BenchConfig
@@ -109,7 +108,7 @@ def lockstep_runs(
     prompts = prompts_for(cfg, batch or cfg.num_requests, vocab, cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len)
     threads = threads or [None] * len(llms)
-    ranks_elsewhere = any(isinstance(llm.workers, WorkerGroup) for llm in llms)
+    ranks_elsewhere = any(llm.spec.parallel.tp > 1 for llm in llms)
     clocks = [
         _StepClock(llm, prompts, params, t, settle=ranks_elsewhere)
         for llm, t in zip(llms, threads, strict=True)
