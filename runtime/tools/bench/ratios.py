@@ -16,20 +16,23 @@ def _rates(var: dict[str, Any]) -> list[float]:
     return [r["decode_tokens_per_s"] for r in var["throughput"]]
 
 
-def _key(
-    var: dict[str, Any],
-    mode: str,
-    kv_cache: str,
-    up_layout: str = "auto",
-    tp: int | None = None,
-    threads: int | None = None,
-    alone: bool = False,
-) -> tuple:
-    """The row ``var`` would be with another mode, KV cache or up layout, or at tp
-    ``tp`` (same ratio, batch, length and link; ``threads``: its own thread count, None
-    the bench's; ``alone``: its rank 0 alone, ``RankAloneLLM``)."""
-    at = (tp or var["tp"], var["ratio"], var["batch"], var["max_seq_len"], var.get("link"))
-    return (mode, kv_cache, *at, up_layout, threads, alone)
+def _key(var: dict[str, Any], **changes: Any) -> tuple:
+    """The row ``var`` would be with ``changes`` (mode, kv_cache, tp, up_layout, threads —
+    None: the bench's —, alone — its rank 0 alone, ``RankAloneLLM`` — ...); every other
+    field its own."""
+    row = {
+        "mode": var["mode"],
+        "kv_cache": var["kv_cache"],
+        "tp": var["tp"],
+        "ratio": var["ratio"],
+        "batch": var["batch"],
+        "max_seq_len": var["max_seq_len"],
+        "link": var.get("link"),
+        "up_layout": var.get("up_layout", "auto"),
+        "threads": var.get("threads"),
+        "alone": bool(var.get("alone")),
+    }
+    return tuple((row | changes).values())
 
 
 def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
@@ -48,9 +51,7 @@ def add_ratios(results: dict[str, Any]) -> None:
     for var in results["variants"]:
         var["decode_tokens_per_s"] = _spread(_rates(var))
         var["output_tokens_per_s"] = _spread([r["output_tokens_per_s"] for r in var["throughput"]])
-        up, threads, alone = var.get("up_layout", "auto"), var.get("threads"), var.get("alone")
-        key = _key(var, var["mode"], var["kv_cache"], up, threads=threads, alone=bool(alone))
-        rates[key] = _rates(var)
+        rates[_key(var)] = _rates(var)
     for var in results["variants"]:
         _against_base_and_hf(var, rates)
         _against_tp1(var, rates)
@@ -60,9 +61,10 @@ def add_ratios(results: dict[str, Any]) -> None:
 
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
-    alone = bool(var.get("alone"))
-    base = rates.get(_key(var, "base", "dense", threads=var.get("threads"), alone=alone))
-    hf = rates.get(("hf", "-", 1, var["ratio"], var["batch"], None, None, "auto", None, False))
+    base = rates.get(_key(var, mode="base", kv_cache="dense", up_layout="auto"))
+    # transformers: tp 1 in one process, at the bench's threads, with no up layout
+    hf_row = {"mode": "hf", "kv_cache": "-", "tp": 1, "max_seq_len": None, "link": None}
+    hf = rates.get(_key(var, **hf_row, up_layout="auto", threads=None, alone=False))
     var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
     if base:
         var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
@@ -75,7 +77,7 @@ def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     the same cores used by threads instead of ranks)."""
     if var["mode"] == "hf" or (var["tp"] == 1 and var.get("threads") is None):
         return
-    one = rates.get(_key(var, var["mode"], var["kv_cache"], var.get("up_layout", "auto"), tp=1))
+    one = rates.get(_key(var, tp=1, threads=None, alone=False))
     if not one:
         return
     var["decode_speedup_vs_tp1"] = var["decode_tokens_per_s"]["median"] / statistics.median(one)
@@ -85,8 +87,7 @@ def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
 def _latent_against_dense(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     """Step time ratio = dense tok/s over latent tok/s (same batch, so same tokens per
     step): what a latent cache costs per decode step."""
-    up, threads, alone = var.get("up_layout", "auto"), var.get("threads"), bool(var.get("alone"))
-    dense = rates.get(_key(var, var["mode"], "dense", up, threads=threads, alone=alone))
+    dense = rates.get(_key(var, kv_cache="dense"))
     if var["kv_cache"] != "latent" or not dense:
         return
     var["step_vs_dense_kv"] = statistics.median(dense) / var["decode_tokens_per_s"]["median"]
