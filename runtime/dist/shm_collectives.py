@@ -36,11 +36,15 @@ SHM_DIR = "/dev/shm"
 _SPINS = 200
 
 
+def supported() -> bool:
+    """Whether this host can run them: x86-64's memory ordering and a /dev/shm."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
 def available(world: int) -> bool:
-    """True when every rank of the default group runs on this host and memory ordering
-    is x86-64's (a collective: every rank must call it)."""
-    machine = platform.machine().lower()
-    if world < 2 or machine not in ("x86_64", "amd64") or not os.path.isdir(SHM_DIR):
+    """True when every rank of the default group runs on this host and this host
+    ``supported`` them (a collective: every rank must call it)."""
+    if world < 2 or not supported():
         return False
     here = (socket.gethostname(), _boot_id())
     hosts: list = [None] * world

@@ -31,12 +31,15 @@ def default_threads(tp: int) -> int:
 
 
 def up_layout_for(requested: str, comm: Comm) -> str:
+    """``requested``, with ``auto`` resolved for ranks that talk through ``comm``."""
+    return auto_up_layout(comm.shm is not None) if requested == "auto" else requested
+
+
+def auto_up_layout(shared_memory: bool) -> str:
     """``auto``: split the o/down up factors where the ranks share memory — there an
     all-gather of the output costs less than streaming the replicated factors
     (docs/METHOD.md) — and replicate them, as the paper does, across a link."""
-    if requested != "auto":
-        return requested
-    return UP_SHARDED if comm.shm is not None else UP_REPLICATED
+    return UP_SHARDED if shared_memory else UP_REPLICATED
 
 
 def check_choices(mode: str, path: str | None, kv: str, up_layout: str) -> None:

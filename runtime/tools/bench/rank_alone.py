@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from dsl import Spec
 from dsl.errors import UserError
-from dsl.plan import UP_REPLICATED, UP_SHARDED
+from runtime.dist import shm_collectives
 from runtime.dist.comm import Comm
 from runtime.dist.launcher import LocalWorker
 from runtime.engine.llm import LLM
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.runner_config import RunnerConfig
+from runtime.engine.runner_config import RunnerConfig, auto_up_layout
 
 
 class SoloComm(Comm):
@@ -80,10 +80,9 @@ class RankAloneLLM(LLM):
             raise UserError("a rank-alone engine runs without a process group")
         if options.get("link") is not None:
             raise UserError("a rank-alone engine has no link: it sends nothing")
-        if up_layout == "auto":
-            # what the real engine's ranks pick (``runner_config.up_layout_for``): split
-            # where they share memory (shared-memory collectives on one CPU host)
-            up_layout = UP_REPLICATED if torch.cuda.is_available() else UP_SHARDED
+        if up_layout == "auto":  # what the real engine's ranks on this host pick
+            shared = not torch.cuda.is_available() and shm_collectives.supported()
+            up_layout = auto_up_layout(shared)
         super().__init__(spec, checkpoint, up_layout=up_layout, shm_collectives=False, **options)
 
     def _start_workers(self, config: RunnerConfig, timeout_s: float, heartbeat_s: float):
