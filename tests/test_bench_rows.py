@@ -297,3 +297,21 @@ def test_a_rank_alone_engine_refuses_a_link(tmp_path):
     spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(2)
     with pytest.raises(UserError, match="a rank-alone engine has no link"):
         RankAloneLLM(spec, tmp_path / "ck", link="1gbit")
+
+
+def test_a_rank_alone_engine_picks_the_up_layout_the_real_ranks_would(tmp_path):
+    """``auto`` resolves as the real tp 2 ranks on this host resolve it: split where they
+    would meet in shared memory, replicated when shared-memory collectives are off."""
+    from runtime.dist.shm_collectives import supported
+    from runtime.engine.runner_config import UP_REPLICATED, UP_SHARDED
+    from runtime.tools.bench.rank_alone import RankAloneLLM
+    from runtime.tools.random_checkpoint import write_random_checkpoint
+
+    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(2)
+    write_random_checkpoint(spec, tmp_path / "ck", 0)
+    for shm, want in ((True, UP_SHARDED if supported() else UP_REPLICATED), (False, UP_REPLICATED)):
+        llm = RankAloneLLM(spec, tmp_path / "ck", mode="deinfer", shm_collectives=shm)
+        try:
+            assert llm.workers.call("plan_up_layout") == [want], shm
+        finally:
+            llm.close()

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from dsl import Spec
 from dsl.errors import UserError
-from runtime.dist import shm_collectives
 from runtime.dist.comm import Comm
 from runtime.dist.launcher import LocalWorker
+from runtime.dist.shm_collectives import supported as shm_supported
 from runtime.engine.llm import LLM
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.runner_config import RunnerConfig, auto_up_layout
@@ -74,14 +74,19 @@ class RankAloneLLM(LLM):
     ``SoloComm``'s collectives. For timing only (see the module)."""
 
     def __init__(
-        self, spec: Spec, checkpoint: str | Path, up_layout: str = "auto", **options: Any
+        self,
+        spec: Spec,
+        checkpoint: str | Path,
+        up_layout: str = "auto",
+        shm_collectives: bool = True,
+        **options: Any,
     ) -> None:
         if dist.is_initialized():
             raise UserError("a rank-alone engine runs without a process group")
         if options.get("link") is not None:
             raise UserError("a rank-alone engine has no link: it sends nothing")
         if up_layout == "auto":  # what the real engine's ranks on this host pick
-            shared = not torch.cuda.is_available() and shm_collectives.supported()
+            shared = shm_collectives and not torch.cuda.is_available() and shm_supported()
             up_layout = auto_up_layout(shared)
         super().__init__(spec, checkpoint, up_layout=up_layout, shm_collectives=False, **options)
 
