@@ -35,6 +35,20 @@ def _key(var: dict[str, Any], **changes: Any) -> tuple:
     return tuple((row | changes).values())
 
 
+# The fields of the transformers row of a row's ratio and batch: tp 1 in one process at
+# the bench's threads, no KV-cache kind, up layout, length or link of its own.
+_TRANSFORMERS = {
+    "mode": "hf",
+    "kv_cache": "-",
+    "tp": 1,
+    "max_seq_len": None,
+    "link": None,
+    "up_layout": "auto",
+    "threads": None,
+    "alone": False,
+}
+
+
 def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
     """The ratio within each repetition (rows of one repetition run minutes apart at
     most, so the machine's drift between repetitions cancels): min/median/max."""
@@ -62,9 +76,7 @@ def add_ratios(results: dict[str, Any]) -> None:
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
     base = rates.get(_key(var, mode="base", kv_cache="dense", up_layout="auto"))
-    # transformers: tp 1 in one process, at the bench's threads, with no up layout
-    hf_row = {"mode": "hf", "kv_cache": "-", "tp": 1, "max_seq_len": None, "link": None}
-    hf = rates.get(_key(var, **hf_row, up_layout="auto", threads=None, alone=False))
+    hf = rates.get(_key(var, **_TRANSFORMERS))
     var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
     if base:
         var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
