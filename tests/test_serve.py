@@ -18,48 +18,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
-from runtime.serve.admission import BadRequest, chat_prompt
+from runtime.serve.admission import chat_prompt
+from runtime.serve.body import BadRequest
 from runtime.serve.text import TextStream
-from runtime.tools.bench.serve import ServerProcess
-from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
-
-VOCAB = 48
-# Positions for long generations (disconnects, signals mid-run); 48 words in the vocabulary.
-CONFIG = {**TINY_LLAMA, "vocab_size": 48, "max_position_embeddings": 512, "initializer_range": 0.15}
-RUNTIME = tiny_runtime(max_seq_len=480, max_batch_size=8)
-MODEL = "tiny-hf"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t47"
-PROMPT = "t1 t2 t3 t4 t5"
-MAX_TOKENS = 9
-
-
-def _words(tokens: list[int]) -> str:
-    return " ".join(f"t{t}" for t in tokens)
+from tests.serving import MAX_TOKENS, MODEL, PROMPT, Server, not_zombie, serving_checkpoint
+from tests.serving import words as _words
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(spec, checkpoint with tokenizer and chat template)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    tmp = tmp_path_factory.mktemp("serve")
-    spec, ckpt, _ref, _ = make_decomposed(tmp, "llama", CONFIG, TINY_RANKS, 1, RUNTIME)
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(ckpt)
-    return spec, ckpt
+    return serving_checkpoint(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
@@ -71,34 +46,6 @@ def expected(checkpoint):
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, logprobs=2))
         score = llm.score(outs[0].prompt_token_ids + outs[0].token_ids)
     return {p: o for p, o in zip(prompts, outs, strict=True)}, score
-
-
-class Server(ServerProcess):
-    """``deinfer serve`` on the tiny checkpoint, with what the tests ask of it."""
-
-    def __init__(self, spec: Path, ckpt: Path, tp: int, log: Path, *extra: str) -> None:
-        args = ["--spec", str(spec), "--checkpoint", str(ckpt), "--tp", str(tp), *extra]
-        super().__init__(args, log, timeout_s=180)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        values = [line.split()[-1] for line in text.splitlines() if line.startswith(name)]
-        return float(values[0]) if values else 0.0
-
-    def children(self) -> list[int]:
-        out = []
-        for status in Path("/proc").glob("[0-9]*/status"):
-            try:
-                lines = status.read_text().splitlines()
-            except OSError:
-                continue
-            ppid = next((line.split()[1] for line in lines if line.startswith("PPid:")), "0")
-            if int(ppid) == self.proc.pid:
-                out.append(int(status.parent.name))
-        return out
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -227,8 +174,21 @@ def test_disconnect_frees_blocks(server):
         ({"model": MODEL, "prompt": [1, 48]}, 400, "prompt[1] is token id 48"),
         ({"model": MODEL, "prompt": [1, -1]}, 400, "prompt[1] is token id -1"),
         ({"model": MODEL, "prompt": "t1", "temperature": math.nan}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "t1", "n": 2}, 400, "n must be 1"),
-        ({"model": MODEL, "prompt": ["t1", "t2"]}, 400, "one prompt per request"),
+        ({"model": MODEL, "prompt": "t1", "n": 17}, 400, "n: Input should be less than"),
+        ({"model": MODEL, "prompt": ["t1"] * 65}, 400, "at most 64 prompts"),
+        ({"model": MODEL, "prompt": [True, 2]}, 400, "found [True, 2]"),
+        ({"model": MODEL, "prompt": [1.0, 2]}, 400, "found [1.0, 2]"),
+        ({"model": MODEL, "prompt": ["t1", [1]]}, 400, "a non-empty list of strings or"),
+        ({"model": MODEL, "prompt": "t1", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+        ({"model": MODEL, "prompt": "t1", "temperature": 1e-40}, 400, "at least 1e-05"),
+        ({"model": MODEL, "prompt": "t1", "top_k": 2**63}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "t1", "top_k": 49}, 400, "vocabulary has 48 tokens"),
+        ({"model": MODEL, "prompt": "t1", "stop": ["t9"] * 10_000}, 400, "at most 64 stop"),
+        ({"model": MODEL, "prompt": "t1", "max_tokens": 0}, 400, "only meaningful with echo"),
+        ({"model": MODEL, "prompt": "t1", "best_of": 3}, 400, "best_of is not supported"),
+        ({"model": MODEL, "prompt": "t1", "logit_bias": {"99": 1}}, 400, "names token 99"),
+        ({"model": MODEL, "prompt": "t1", "logit_bias": {"x": 1}}, 400, "keys are token ids"),
+        ({"model": MODEL, "prompt": "t1", "frequency_penalty": 3}, 400, "frequency_penalty"),
         ({"model": MODEL, "prompt": ""}, 400, "empty"),
         ({"model": MODEL, "prompt": "t1", "seed": 2**70}, 400, "seed"),
         ({"model": MODEL}, 400, "prompt"),
@@ -295,16 +255,9 @@ def test_sigterm_finishes_the_stream_and_leaves_nothing(checkpoint, tmp_path):
     assert rest[-1] == "data: [DONE]" and len(rest) == 300 - 1 + 2  # tokens, finish, DONE
     assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()[-3000:]
     time.sleep(0.5)
-    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and _not_zombie(pid)]
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and not_zombie(pid)]
     assert alive == [], srv.log.read_text()[-2000:]
     assert "Traceback" not in srv.log.read_text()
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:4]
-    except OSError:
-        return False
 
 
 @given(

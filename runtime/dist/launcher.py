@@ -3,7 +3,9 @@
 ``WorkerGroup(world)`` spawns ``world`` processes that join one process group
 (gloo on CPU, nccl on GPU) on 127.0.0.1 with a free port picked at run time, then
 run functions sent to them: ``group.run(fn, *args)`` calls ``fn(rank, world, *args)``
-on every rank and returns the per-rank results. A rank that raises, dies or does not
+on every rank and returns the per-rank results. A call that raises on some ranks while
+every rank still answers leaves the group intact (``CallFailed``: the ranks are all back
+at their task queues, so the next call finds them in step). A rank that dies or does not
 answer in time ends the whole group with ``WorkerError`` naming the rank, never a
 silent hang: every rank beats a heartbeat once a second, and a rank silent for
 ``heartbeat_s`` (stopped, or hung with its interpreter frozen) is named and the group torn
@@ -34,12 +36,22 @@ from dsl.errors import RuntimeFailure, UserError
 from runtime.dist.emulated_link import EmulatedLinks, LinkSpec, enter_namespace, probe_all_gather
 
 HEARTBEAT_S = 15.0  # a rank silent this long is stopped or hung (it beats once a second)
+# After one rank raised, how long the others get to answer before the group counts as
+# broken: ranks run a call in lockstep, so a failure after their last collective (in
+# sampling) reaches every rank within milliseconds; a peer still waiting past this is
+# stuck in a collective the failed rank never joined.
+PEERS_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
 class WorkerError(RuntimeFailure):
-    """A worker rank failed, died or hung. The message is one line; ``details`` holds the
-    rank's traceback when there is one."""
+    """A worker rank failed, died or hung; the group is gone. The message is one line;
+    ``details`` holds the rank's traceback when there is one."""
+
+
+class CallFailed(RuntimeFailure):
+    """A call raised (on some or all ranks) but every rank answered: the group is intact
+    and the next call may go on. One line; ``details`` holds a traceback."""
 
 
 def _last_line(text: str) -> str:
@@ -88,10 +100,18 @@ class LocalWorker:
         factory, args = init
         rank, world = (dist.get_rank(), dist.get_world_size()) if spmd else (0, 1)
         self.state = factory(rank, world, *args)
-        self.world = world
+        self.world, self.spmd = world, spmd
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return [getattr(self.state, method)(*args)]
+        if self.spmd:  # the peers' drivers may be anywhere: nothing is known to be intact
+            return [getattr(self.state, method)(*args)]
+        try:
+            return [getattr(self.state, method)(*args)]
+        except UserError:
+            raise
+        except Exception as exc:
+            details = traceback.format_exc()
+            raise CallFailed(_last_line(details), details) from exc
 
     def close(self) -> None:
         self.state = None
@@ -203,6 +223,14 @@ def _failure(exc: Exception) -> tuple[str, str]:
     return "error", traceback.format_exc()
 
 
+def _raise_failure(rank: int, status: str, value: str, kind: type[RuntimeFailure]) -> None:
+    """A rank's user error as it is (every rank says the same: shown once), anything else
+    as ``kind`` naming the rank, with its traceback as details."""
+    if status == "user_error":
+        raise UserError(value)
+    raise kind(f"rank {rank} failed: {_last_line(value)}", value)
+
+
 def _probe_link(rank: int, world: int, nbytes: int) -> dict[str, float]:
     return probe_all_gather(nbytes)
 
@@ -304,34 +332,61 @@ class WorkerGroup:
 
     def _collect(self, want: str, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}
+        failed: dict[int, tuple[str, str]] = {}
         deadline = time.monotonic() + timeout_s
-        while len(out) < self.world:
+        while len(out) + len(failed) < self.world:
+            waiting = [r for r in range(self.world) if r not in out and r not in failed]
             try:
                 rank, status, value = self.results.get(timeout=1.0)
             except queue.Empty:
-                waiting = [r for r in range(self.world) if r not in out]
-                if (culprit := self._culprit(waiting)) is not None:
-                    self.close()
-                    raise WorkerError(culprit) from None
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise WorkerError(
-                        f"rank {waiting[0]} did not answer within {timeout_s:.0f} s "
-                        f"(waiting for ranks {waiting})"
-                    ) from None
+                self._check_waiting(waiting, failed, deadline, timeout_s)
                 continue
-            if status in ("error", "user_error"):
-                # A rank that fails because a peer died or stopped is not the cause: give
-                # the others a moment to show theirs, then name the one that broke first.
-                culprit = self._culprit([r for r in range(self.world) if r != rank], grace_s=1.0)
+            if status not in ("error", "user_error"):
+                out[rank] = value
+                continue
+            # A rank that fails because a peer died or stopped is not the cause: give
+            # the others a moment to show theirs, then name the one that broke first.
+            others = [r for r in waiting if r != rank]
+            culprit = self._culprit(others, grace_s=1.0)
+            if culprit is not None or want == "ready":
                 self.close()
                 if culprit is not None:
                     raise WorkerError(f"{culprit}; rank {rank} then failed: {_last_line(value)}")
-                if status == "user_error":
-                    raise UserError(value)
-                raise WorkerError(f"rank {rank} failed: {_last_line(value)}", value)
-            out[rank] = value
+                _raise_failure(rank, status, value, WorkerError)
+            if not failed:
+                deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
+            failed[rank] = (status, value)
+        if failed:  # every rank answered: the group is intact
+            rank = min(failed)
+            _raise_failure(rank, *failed[rank], CallFailed)
         return [out[r] for r in range(self.world)]
+
+    def _check_waiting(
+        self,
+        waiting: list[int],
+        failed: dict[int, tuple[str, str]],
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        """Raise (the group closed) if a rank ``waiting`` is dead or silent, or the call's
+        time (or, after a failure, the peers' grace) is up."""
+        if (culprit := self._culprit(waiting)) is not None:
+            self.close()
+            raise WorkerError(culprit) from None
+        if time.monotonic() <= deadline:
+            return
+        self.close()
+        if failed:
+            rank = min(failed)
+            raise WorkerError(
+                f"rank {rank} failed: {_last_line(failed[rank][1])}; ranks {waiting} did not "
+                f"answer within {PEERS_GRACE_S:.0f} s (stuck in a collective it left)",
+                failed[rank][1],
+            ) from None
+        raise WorkerError(
+            f"rank {waiting[0]} did not answer within {timeout_s:.0f} s "
+            f"(waiting for ranks {waiting})"
+        ) from None
 
     def _culprit(self, ranks: list[int], grace_s: float = 0.0) -> str | None:
         """Why one of ``ranks`` cannot answer (dead, or silent past ``heartbeat_s``)."""

@@ -8,6 +8,7 @@ same gathered logits with the same per-request generator, and rank 0's answer is
 
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 from collections.abc import Iterator
@@ -21,11 +22,12 @@ import torch.distributed as dist
 
 from codegen import generated_folder
 from dsl import Spec, build_plan, load_spec
-from dsl.errors import UserError
+from dsl.errors import RuntimeFailure, UserError
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.launcher import (
     HEARTBEAT_S,
+    CallFailed,
     LocalWorker,
     WorkerGroup,
     init_from_env,
@@ -45,6 +47,8 @@ from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.model.checkpoint import has_tokenizer
 
+log = logging.getLogger("deinfer.engine")
+
 
 @dataclass
 class RequestOutput:
@@ -56,6 +60,8 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # perf_counter per token
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token, if asked
+    # TokenLogprobs per prompt token (None for the first), if ``prompt_logprobs`` asked
+    prompt_logprobs: list | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -69,9 +75,19 @@ class RequestOutput:
 @dataclass(frozen=True)
 class StreamEvent:
     request: int  # index into the prompts given
-    token_id: int
+    token_id: int | None  # None: the request ended with an error (``error`` says which)
     time: float  # perf_counter
     finished: bool
+    error: str | None = None
+
+
+class StepFailed(RuntimeFailure):
+    """A step raised on the ranks while every rank stayed in step: the step's requests
+    were ended (``finish_reason`` "error: ...", blocks freed) and the engine goes on."""
+
+    def __init__(self, message: str, sequences: list[Sequence], details: str = "") -> None:
+        super().__init__(message, details)
+        self.sequences = sequences
 
 
 def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
@@ -252,14 +268,28 @@ class LLM:
                 raise UserError(f"prompt token {i} is {t}; the vocabulary has ids 0 to {vocab - 1}")
         return [int(t) for t in ids]
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: ids within this vocabulary."""
+        vocab = self.spec.model.vocab_size
+        if params.top_k > vocab:
+            raise UserError(f"top_k is {params.top_k}; the vocabulary has {vocab} tokens")
+        for token, _ in params.logit_bias:
+            if token >= vocab:
+                raise UserError(
+                    f"logit_bias names token {token}; the vocabulary has ids 0 to {vocab - 1}"
+                )
+
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        self._check_params(params)
         seq = Sequence(id=self._next_id, prompt=self._encode(prompt), params=params)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
 
     def step(self) -> list[tuple[Sequence, int, float]]:
-        """One scheduler step: (sequence, new token, time) for each sequence it advanced."""
+        """One scheduler step: (sequence, new token, time) for each sequence it advanced.
+        Raises ``StepFailed`` when the ranks raised but stayed in step: that step's
+        sequences are ended with the error and the engine can go on."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
@@ -270,17 +300,23 @@ class LLM:
                 length=len(s),
                 block_table=list(s.block_table),
                 params=s.params,
+                prompt_logprobs=is_prefill and _wants_prompt_logprobs(s),
             )
             for s in seqs
         ]
-        tokens, logprobs = self.workers.call("step", inputs, is_prefill)[0]
+        try:
+            out = self.workers.call("step", inputs, is_prefill)[0]
+        except (CallFailed, UserError) as exc:
+            raise self._failed(seqs, exc) from exc
+        for i, scored in out.prompt_logprobs.items():
+            seqs[i].prompt_logprobs = scored
         now = time.perf_counter()
         events = []
         finished = []
-        for i, (s, token) in enumerate(zip(seqs, tokens, strict=True)):
+        for i, (s, token) in enumerate(zip(seqs, out.tokens, strict=True)):
             s.output.append(token)
-            if logprobs is not None and logprobs[i] is not None:
-                s.logprobs.append(logprobs[i])
+            if out.logprobs is not None and out.logprobs[i] is not None:
+                s.logprobs.append(out.logprobs[i])
             events.append((s, token, now))
             if token in s.params.stop_token_ids:
                 self.scheduler.finish(s, "stop")
@@ -291,6 +327,16 @@ class LLM:
         if finished:
             self.workers.call("release", finished)
         return events
+
+    def _failed(self, seqs: list[Sequence], exc: Exception) -> StepFailed:
+        """End the sequences of a step that raised, free their blocks, say why once."""
+        reason = f"the step failed: {exc}"
+        for s in seqs:
+            if s.status is not Status.FINISHED:
+                self.scheduler.finish(s, f"error: {reason}")
+        self.workers.call("release", [s.id for s in seqs])
+        log.error("%s (%d requests ended)", reason, len(seqs))
+        return StepFailed(reason, seqs, getattr(exc, "details", ""))
 
     def unfit_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         """Why a request of this size can never run on this engine (too long for
@@ -329,6 +375,8 @@ class LLM:
         if len(params) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
         # Every prompt checked before any is queued: a bad one changes nothing.
+        for sp in params:
+            self._check_params(sp)
         encoded = [self._encode(p) for p in prompts]
         return [self.add_request(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
 
@@ -341,7 +389,15 @@ class LLM:
         seqs = self._submit(prompts, params)
         index = {s.id: i for i, s in enumerate(seqs)}
         while self.scheduler.has_work():
-            for s, token, t in self.step():
+            try:
+                events = self.step()
+            except StepFailed as exc:
+                for s in exc.sequences:
+                    if s.id in index:
+                        now = time.perf_counter()
+                        yield StreamEvent(index[s.id], None, now, True, s.finish_reason)
+                continue
+            for s, token, t in events:
                 if s.id in index:
                     yield StreamEvent(index[s.id], token, t, s.status is Status.FINISHED)
 
@@ -355,7 +411,11 @@ class LLM:
         index = {s.id: i for i, s in enumerate(seqs)}
         times: list[list[float]] = [[] for _ in seqs]
         while self.scheduler.has_work():
-            for s, _, t in self.step():
+            try:
+                events = self.step()
+            except StepFailed:
+                continue  # those requests end with finish_reason "error: ..."
+            for s, _, t in events:
                 if s.id in index:
                     times[index[s.id]].append(t)
         return [
@@ -368,6 +428,7 @@ class LLM:
                 token_times=times[i],
                 num_preemptions=s.num_preemptions,
                 logprobs=s.logprobs,
+                prompt_logprobs=s.prompt_logprobs,
             )
             for i, s in enumerate(seqs)
         ]
@@ -385,3 +446,9 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt log-probabilities are computed once, at the first prefill (a preempted
+    sequence prefills again with its output appended)."""
+    return seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None

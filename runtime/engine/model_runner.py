@@ -6,7 +6,7 @@ work proportional to the tokens that exist (``runtime.model.eager_attention``)."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,14 @@ from runtime.dist.shm_collectives import SharedMemoryCollectives
 from runtime.dist.shm_collectives import available as shm_available
 from runtime.engine.kv_cache import allocate
 from runtime.engine.runner_config import PATHS, RunnerConfig, up_layout_for
-from runtime.engine.sampling import TokenLogprobs, make_generator, sample, token_logprobs
+from runtime.engine.sampling import (
+    TokenLogprobs,
+    adjusted,
+    make_generator,
+    prompt_token_logprobs,
+    sample,
+    token_logprobs,
+)
 from runtime.engine.sequence import SamplingParams
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
@@ -41,8 +48,15 @@ from runtime.model.weights import load_rank_weights
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-# What a step returns: a token per sequence, and log-probabilities where any was asked.
-Sampled = tuple[list[int], list[TokenLogprobs | None] | None]
+@dataclass(frozen=True)
+class Sampled:
+    """What a step returns: a token per sequence, log-probabilities where any was asked,
+    and the prompt's log-probabilities of the prefilled sequences that asked for them
+    (by index in the step; position 0 has none: nothing comes before it)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,7 @@ class SeqInput:
     length: int  # tokens in the sequence, the one being processed included
     block_table: list[int]
     params: SamplingParams
+    prompt_logprobs: bool = False  # prefill: also score every token of ``tokens``
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,7 @@ class ModelRunner:
             i: self._latent_factors(i) for i, kind in enumerate(self.kinds) if kind == "latent"
         }
         self.generators: dict[int, torch.Generator] = {}
+        self.output_counts: dict[int, dict[int, int]] = {}  # penalised sequences' tokens
         self.static = self._static_decoder(mode_plan) if config.path == "static" else None
 
     def _comm(self, rank: int, world: int) -> Comm:
@@ -205,15 +221,34 @@ class ModelRunner:
         """Whole prompts, batched, in chunks of at most ``prefill_chunk`` tokens; a chunk
         that continues a prompt attends to the part already in the cache."""
         last_hidden: dict[int, torch.Tensor] = {}
+        scored: dict[int, list[TokenLogprobs | None]] = {
+            i: [None] for i, s in enumerate(seqs) if s.prompt_logprobs
+        }
         for chunk in prefill_chunks([s.length for s in seqs], self.config.prefill_chunk):
             hidden = self._prefill_chunk(seqs, chunk)
             row = 0
             for piece in chunk:
-                row += piece.stop - piece.start
+                rows = slice(row, row + piece.stop - piece.start)
+                row = rows.stop
+                if piece.seq in scored:
+                    scored[piece.seq] += self._score_piece(seqs[piece.seq], piece, hidden[rows])
                 if piece.stop == seqs[piece.seq].length:
                     last_hidden[piece.seq] = hidden[row - 1]
         rows = torch.stack([last_hidden[i] for i in range(len(seqs))])
-        return self._sample(seqs, self.model.logits(rows))
+        sampled = self._sample(seqs, self.model.logits(rows))
+        return Sampled(sampled.tokens, sampled.logprobs, scored)
+
+    def _score_piece(
+        self, seq: SeqInput, piece: Piece, hidden: torch.Tensor
+    ) -> list[TokenLogprobs]:
+        """The log-probabilities of the prompt tokens this piece's rows predict (row p
+        predicts token p + 1; the last token's prediction is the sampled one)."""
+        stop = min(piece.stop, seq.length - 1)
+        if stop <= piece.start:
+            return []
+        logits = self.model.logits(hidden[: stop - piece.start])
+        targets = seq.tokens[piece.start + 1 : stop + 1]
+        return prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
 
     @torch.inference_mode()
     def score(self, seq: SeqInput) -> torch.Tensor:
@@ -326,15 +361,22 @@ class ModelRunner:
             if s.params.temperature > 0 and s.id not in self.generators:
                 self.generators[s.id] = make_generator(s.params, s.id)
             generators.append(self.generators.get(s.id))
-        tokens = sample(logits, [s.params for s in seqs], generators)
-        counts = [s.params.logprobs for s in seqs]
-        if all(n is None for n in counts):
-            return tokens, None
-        return tokens, token_logprobs(logits, tokens, counts)
+        params = [s.params for s in seqs]
+        seen = [self.output_counts.get(s.id) for s in seqs]
+        tokens = sample(adjusted(logits, params, seen), params, generators)
+        for s, token in zip(seqs, tokens, strict=True):
+            if s.params.frequency_penalty or s.params.presence_penalty:
+                counts = self.output_counts.setdefault(s.id, {})
+                counts[token] = counts.get(token, 0) + 1
+        wanted = [s.params.logprobs for s in seqs]
+        if all(n is None for n in wanted):
+            return Sampled(tokens)
+        return Sampled(tokens, token_logprobs(logits, tokens, wanted))
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.generators.pop(i, None)
+            self.output_counts.pop(i, None)
 
     def set_comm_stats(self, mode: str) -> None:
         """off | count | timed, from now on (benchmarks time only their breakdown runs)."""

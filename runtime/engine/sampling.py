@@ -2,8 +2,10 @@
 (temperature, top-k, top-p) by one sort and one cumulative sum. Each request owns a
 seeded generator that draws its one uniform number per step, so seeded sampling is
 deterministic, independent of the other requests in the batch and identical on every
-rank. Log-probabilities, when a request asks, are those of the model's distribution
-(before temperature, top-k and top-p), as the OpenAI API reports them."""
+rank. Logit bias and the frequency / presence penalties change a row's logits before it
+is chosen (greedy rows too). Log-probabilities, when a request asks, are those of the
+model's distribution (before bias, penalties, temperature, top-k and top-p), as the
+OpenAI API reports them."""
 
 from __future__ import annotations
 
@@ -20,12 +22,34 @@ def make_generator(params: SamplingParams, request_id: int) -> torch.Generator:
     return g
 
 
+def adjusted(
+    logits: torch.Tensor, params: list[SamplingParams], counts: list[dict[int, int] | None]
+) -> torch.Tensor:
+    """``logits`` [B, V] with each row's logit bias added and its penalties subtracted
+    (``counts[i]``: how often each token occurs in row i's output so far); rows that
+    ask for neither are left alone, and so is ``logits`` when no row asks."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.float().cpu().clone()  # sampling reads it on the host anyway
+    for i in rows:
+        p, seen = params[i], counts[i] or {}
+        for token, bias in p.logit_bias:
+            logits[i, token] += bias
+        if seen and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(list(seen), dtype=torch.long)
+            n = torch.tensor(list(seen.values()), dtype=logits.dtype)
+            logits[i].index_add_(0, ids, -(p.frequency_penalty * n + p.presence_penalty))
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
-    """One token per row of logits [B, V]; ``generators[i]`` may be None for greedy rows."""
+    """One token per row of logits [B, V] (already ``adjusted``); ``generators[i]`` may be
+    None for greedy rows."""
     logits = logits.float().cpu()
     # the first maximal index, as argmax (ties and NaN alike); max's kernel is 3x faster
     # on a CPU ([16, 49152]: 0.16 against 0.50 ms)
@@ -81,3 +105,20 @@ def token_logprobs(
         top = zip(best_ids[j, :n].tolist(), best_values[j, :n].tolist(), strict=True)
         out[i] = TokenLogprobs(float(logp[j, tokens[i]]), tuple(top))
     return out
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, tokens: list[int], count: int
+) -> list[TokenLogprobs]:
+    """For rows i of ``logits`` [L, V] (the prediction after token i of a prompt): the
+    log-probability of ``tokens[i]`` (the prompt's next token) and the ``count`` most
+    likely tokens'; ``tokens`` has one id per row."""
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if count:
+        best_values, best_ids = logp.topk(count, dim=-1)
+        tops = zip(best_ids.tolist(), best_values.tolist(), strict=True)
+        top = [tuple(zip(ids, values, strict=True)) for ids, values in tops]
+    else:
+        top = [()] * len(tokens)
+    return [TokenLogprobs(c, t) for c, t in zip(chosen, top, strict=True)]

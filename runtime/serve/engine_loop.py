@@ -5,6 +5,11 @@ every token goes back to its request's ``asyncio.Queue`` as soon as the step tha
 it ends. The thread is the only one that touches the ``LLM`` (scheduler, block manager,
 ranks); the server's event loop talks to it through a command queue, so nothing is
 shared but that queue, the per-request queues and an immutable snapshot of the load.
+
+A step that raises while the ranks stay in step (``StepFailed``) ends only that step's
+requests, each with the error; the engine serves on. Anything else (a rank died or hung)
+ends every request with the cause, logs it once and tells the server (``on_fatal``),
+which exits non-zero as a supervisor expects.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.engine.llm import LLM
+from dsl.errors import UserError
+from runtime.engine.llm import LLM, StepFailed
 from runtime.engine.sampling import TokenLogprobs
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.serve.metrics import ServerMetrics
@@ -31,11 +39,16 @@ class EngineDead(Exception):
     """The engine stopped (a rank failed, or the server is shutting down)."""
 
 
+log = logging.getLogger("deinfer.serve")
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     time: float  # perf_counter when the step that made it ended
     logprobs: TokenLogprobs | None = None
+    # with the first token only, if asked: each prompt token's (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,12 +84,20 @@ class RequestHandle:
 
 
 class EngineLoop:
-    """Own ``llm`` in a thread; admit at most ``max_in_flight`` requests at a time."""
+    """Own ``llm`` in a thread; admit at most ``max_in_flight`` requests at a time.
+    ``on_fatal(reason)`` is called on the event loop once the engine has died."""
 
-    def __init__(self, llm: LLM, metrics: ServerMetrics, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        metrics: ServerMetrics,
+        max_in_flight: int,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.llm = llm
         self.metrics = metrics
         self.max_in_flight = max_in_flight
+        self.on_fatal = on_fatal
         self.load = Load(blocks_total=llm.blocks.num_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -98,22 +119,32 @@ class EngineLoop:
         return len(self._in_flight)
 
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        return self.submit_all([(prompt, params)])[0]
+
+    def submit_all(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestHandle]:
+        """Queue all of ``requests`` or, if they do not all fit, none."""
         if not self.load.alive:
             raise EngineDead(self.load.error or "the engine has stopped")
-        if len(self._in_flight) >= self.max_in_flight:
+        if len(self._in_flight) + len(requests) > self.max_in_flight:
             raise QueueFull(
-                f"{len(self._in_flight)} requests in flight, the server admits "
-                f"{self.max_in_flight}; retry later"
+                f"{len(self._in_flight)} requests in flight and {len(requests)} more asked, "
+                f"the server admits {self.max_in_flight}; retry later"
             )
-        handle = RequestHandle(next(self._ids), prompt, params)
-        self._in_flight[handle.id] = handle
-        self._commands.put(("add", handle))
-        return handle
+        handles = [RequestHandle(next(self._ids), p, sp) for p, sp in requests]
+        for handle in handles:
+            self._in_flight[handle.id] = handle
+            self._commands.put(("add", handle, None))
+        return handles
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Stop generating for a request (client gone, stop string seen); idempotent."""
+    def cancel(self, handle: RequestHandle, reason: str = "abort") -> None:
+        """Stop generating for a request (client gone: "abort"; a stop string seen:
+        "stop"); idempotent."""
         if self._in_flight.pop(handle.id, None) is not None:
-            self._commands.put(("cancel", handle))
+            self._commands.put(("cancel", handle, reason))
+
+    def abort_all(self) -> None:
+        """End every request now with finish reason "abort" (shutdown past its grace)."""
+        self._commands.put(("abort_all", None, None))
 
     def release(self, handle: RequestHandle) -> None:
         """The server is done with a request that finished by itself."""
@@ -122,7 +153,7 @@ class EngineLoop:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort what is left and end the thread (the ranks stay up: ``llm.close()``)."""
         if self._thread is not None and self._thread.is_alive():
-            self._commands.put(("stop", None))
+            self._commands.put(("stop", None, None))
             self._thread.join(timeout_s)
 
     # --- the engine thread ---------------------------------------------------------------
@@ -133,30 +164,42 @@ class EngineLoop:
             while True:
                 if not self._drain(block=not scheduler.has_work()):
                     break
-                events = self.llm.step() if scheduler.has_work() else []
+                try:
+                    events = self.llm.step() if scheduler.has_work() else []
+                except StepFailed as exc:  # logged by the engine; only its requests end
+                    for seq in exc.sequences:
+                        if (handle := self._by_seq.get(seq.id)) is not None:
+                            self._finish(handle, seq.finish_reason or f"error: {exc}")
+                    events = []
                 self._publish()  # before the tokens go out: a client sees a current load
                 for seq, token, now in events:
                     self._deliver(seq, token, now)
         except Exception as exc:  # a rank failed: every request ends with the reason
-            reason = f"engine failed: {str(exc).strip().splitlines()[-1]}"
-            self.load = Load(alive=False, error=reason, blocks_total=self.load.blocks_total)
-            for handle in list(self._by_seq.values()):
-                self._finish(handle, f"error: {reason}")
-            self._drain_after_failure(reason)
+            self._die(f"engine failed: {str(exc).strip().splitlines()[-1]}")
             return
         for handle in list(self._by_seq.values()):  # stopping: abort what is left
             self.llm.abort(handle.seq)
             self._finish(handle, "abort")
         self.load = Load(alive=False, error="shutting down", blocks_total=self.load.blocks_total)
 
+    def _die(self, reason: str) -> None:
+        log.error("%s; every request ends and the server stops", reason)
+        self.load = Load(alive=False, error=reason, blocks_total=self.load.blocks_total)
+        for handle in list(self._by_seq.values()):
+            self._finish(handle, f"error: {reason}")
+        self._drain_after_failure(reason)
+        if self.on_fatal is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                self._loop.call_soon_threadsafe(self.on_fatal, reason)
+
     def _drain(self, block: bool) -> bool:
         """Apply the waiting commands (wait for one when idle); False on "stop"."""
         while True:
             try:
                 if block:
-                    kind, handle = self._commands.get(timeout=0.5)
+                    kind, handle, reason = self._commands.get(timeout=0.5)
                 else:
-                    kind, handle = self._commands.get_nowait()
+                    kind, handle, reason = self._commands.get_nowait()
             except queue.Empty:
                 return True
             block = False
@@ -166,10 +209,18 @@ class EngineLoop:
                 self._add(handle)
             elif kind == "cancel" and handle.seq is not None and not handle.done:
                 self.llm.abort(handle.seq)
-                self._finish(handle, "abort")
+                self._finish(handle, reason)
+            elif kind == "abort_all":
+                for running in list(self._by_seq.values()):
+                    self.llm.abort(running.seq)
+                    self._finish(running, "abort")
 
     def _add(self, handle: RequestHandle) -> None:
-        seq = self.llm.add_request(handle.prompt, handle.params)
+        try:
+            seq = self.llm.add_request(handle.prompt, handle.params)
+        except UserError as exc:  # admission checks first; this is the engine's word
+            self._finish(handle, f"error: {exc}")
+            return
         handle.seq = seq
         self._by_seq[seq.id] = handle
         if seq.status is Status.FINISHED:  # the scheduler refused it
@@ -179,7 +230,8 @@ class EngineLoop:
         handle = self._by_seq.get(seq.id)
         if handle is None:
             return
-        if handle.first_token is None:
+        first = handle.first_token is None
+        if first:
             handle.first_token = now
             self.metrics.ttft.observe(now - handle.arrival)
         else:
@@ -187,7 +239,8 @@ class EngineLoop:
         handle.last_token = now
         self.metrics.generation_tokens.inc()
         logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
-        self._send(handle, TokenEvent(token, now, logprobs))
+        prompt_logprobs = seq.prompt_logprobs if first else None
+        self._send(handle, TokenEvent(token, now, logprobs, prompt_logprobs))
         if seq.status is Status.FINISHED:
             self._finish(handle, seq.finish_reason or "stop")
 
@@ -220,7 +273,7 @@ class EngineLoop:
         """Requests that arrive after a failure end at once with its reason."""
         while True:
             try:
-                kind, handle = self._commands.get_nowait()
+                kind, handle, _ = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
