@@ -87,25 +87,38 @@ def clean_stale(out: Path) -> None:
             shutil.rmtree(sibling, ignore_errors=True)
 
 
+def new_sibling(out: Path) -> Path:
+    """A fresh hidden folder beside ``out``, named so that ``clean_stale`` can tell, once
+    this process is gone, that nobody is writing it any more."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.new-{os.getpid()}-", dir=out.parent))
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Make the complete folder ``new`` the folder ``out`` and remove the old one: one
+    ``renameat2`` exchange where the system has it (``out`` always holds the old or the
+    new files), else two renames that ``clean_stale`` repairs if cut between them."""
+    if not out.exists():
+        new.rename(out)
+    elif _exchange(new, out):
+        shutil.rmtree(new)  # it now holds the old files
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+        old.rmdir()
+        out.rename(old)
+        new.rename(out)
+        shutil.rmtree(old)
+
+
 def write_atomically(files: dict[str, str], out: Path) -> None:
     """Write ``files`` as the whole content of folder ``out``, never half-written."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
-    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-{os.getpid()}-", dir=out.parent))
+    new = new_sibling(out)
     try:
         for rel, content in files.items():
             (new / rel).write_text(content)
-        if not out.exists():
-            new.rename(out)
-        elif _exchange(new, out):
-            shutil.rmtree(new)  # it now holds the old files
-        else:
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
-            old.rmdir()
-            out.rename(old)
-            new.rename(out)
-            shutil.rmtree(old)
+        swap_in(new, out)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise

@@ -352,3 +352,24 @@ def test_a_tuned_file_from_other_versions_warns_and_uses_the_defaults(tmp_path):
     used = json.loads(gen.files["manifest.json"])["kernels"]
     mine = next(k for k in used if k["file"] == kernel["file"])
     assert mine["meta_source"].startswith("default (unusable tuned file")
+
+
+@pytest.mark.parametrize("value", [3e38, -2e5])
+def test_a_weight_of_absurd_magnitude_is_refused_by_name(model, tmp_path, value, caplog):
+    """A finite 3e38 loaded and made the model emit token 0 forever; now the tensor is
+    named at load, and ``allow_extreme_weights`` loads it with a warning instead."""
+    from safetensors.torch import load_file
+
+    spec, ckpt = model
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    shard = sorted(copy.glob("*.safetensors"))[0]  # layer 0's
+    tensors = load_file(shard)
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.v.weight"))
+    tensors[name][0, 0] = value
+    save_file(tensors, shard)
+    with pytest.raises(UserError) as err:
+        LLM(spec, copy, tp=1)
+    assert f"tensor {name} holds a value of magnitude" in one_line(str(err.value))
+    with LLM(spec, copy, tp=1, allow_extreme_weights=True):
+        assert any(name in r.getMessage() for r in caplog.records)

@@ -9,6 +9,11 @@ from pathlib import Path
 from dsl.errors import UserError
 from dsl.plan import MODES
 
+FORCE_HELP = (
+    "replace --out even if it holds files this command did not write (never the source, "
+    "nor a folder holding it or the current folder)"
+)
+
 
 def add_import(sub: argparse._SubParsersAction) -> None:
     from runtime.tools.compress.importers import FORMATS
@@ -19,6 +24,7 @@ def add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=Path, help="output checkpoint folder")
     p.add_argument("--spec-out", type=Path, help="spec with the imported ranks (not for gguf)")
     p.add_argument("--name", default=None, help="spec name (default: --spec-out's stem)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.set_defaults(func=run_import)
 
 
@@ -26,14 +32,16 @@ def run_import(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         from runtime.tools.compress.gguf import import_gguf
 
-        out = import_gguf(args.src, args.out)
+        out = import_gguf(args.src, args.out, force=args.force)
         print(f"wrote {out} (dense transformers folder)")
         return 0
     if args.spec_out is None:
         raise UserError(f"--format {args.format} needs --spec-out (the spec of the ranks)")
     from runtime.tools.compress.importers import import_checkpoint
 
-    out, spec = import_checkpoint(args.format, args.src, args.out, args.spec_out, args.name)
+    out, spec = import_checkpoint(
+        args.format, args.src, args.out, args.spec_out, args.name, force=args.force
+    )
     print(f"wrote {out} and {spec}")
     return 0
 
@@ -131,6 +139,7 @@ def add_fidelity(sub: argparse._SubParsersAction) -> None:
         "--keep", type=Path, default=None, help="keep the checkpoints and specs in this folder"
     )
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_eval_options(p)
     p.set_defaults(func=run_fidelity)
 
@@ -157,6 +166,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         kv_cache=args.kv_cache,
         keep=args.keep,
         progress=not args.quiet,
+        force=args.force,
     )
     paths = fidelity_table(cfg, _eval_config(args), args.out)
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -28,6 +28,12 @@ def add_decompose(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="with --spec-out: spec name")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even if it holds files deinfer decompose did not write (never "
+        "--model, nor a folder holding it or the current folder)",
+    )
+    p.add_argument(
         "--method",
         default="svd",
         choices=METHODS,
@@ -70,7 +76,11 @@ def run_decompose(args: argparse.Namespace) -> int:
             return 0
     if not (args.spec and args.out):
         raise SpecError("--spec", "give --spec and --out (or --spec-out with --ratio)")
+    from runtime.tools.compress.output import check_output_folder
+    from runtime.tools.decompose import TOOL
+
     spec = load_spec(args.spec)
+    check_output_folder(args.out, TOOL, (args.model,), args.force)  # before calibrating
     out = decompose_with_options(args, spec, args.spec.read_text())
     print(f"wrote {out} ({spec.model.num_layers} layers, spec {spec.name})")
     return 0
@@ -114,6 +124,7 @@ def decompose_with_options(args: argparse.Namespace, spec, spec_text: str) -> Pa
         stats=stats,
         alpha=alpha,
         record=calibrated.record,
+        force=getattr(args, "force", False),
     )
     if stats and method == "svd-llm":
         from runtime.tools.decompose import whitening_shifts

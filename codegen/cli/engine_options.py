@@ -59,6 +59,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(tc units; needs root and iproute2)",
     )
     p.add_argument(
+        "--allow-extreme-weights",
+        action="store_true",
+        help="load a checkpoint whose weights hold absurd magnitudes (above 65504, or 1e4 "
+        "times their tensor's RMS) with a warning instead of refusing it",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=None,
@@ -91,4 +97,5 @@ def open_engine(args: argparse.Namespace):
         up_layout=args.up_layout,
         link=args.link,
         heartbeat_s=args.timeout_s or HEARTBEAT_S,
+        allow_extreme_weights=args.allow_extreme_weights,
     )

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 from dsl import MODES, build_plan, load_spec
@@ -148,6 +149,12 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: Sequence[str]
             print(exc.details, file=sys.stderr, end="")
         elif exc.details:
             print("  (DEINFER_TRACEBACK=1 shows the rank's traceback)", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the system's refusal (disk full, read-only, permissions)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        if os.environ.get("DEINFER_TRACEBACK"):
+            traceback.print_exc()
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

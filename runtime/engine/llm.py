@@ -123,6 +123,7 @@ class LLM:
         up_layout: str = "auto",
         link: LinkSpec | str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
+        allow_extreme_weights: bool = False,
     ) -> None:
         spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.spec = spec if tp is None else spec.with_tp(tp)
@@ -149,6 +150,7 @@ class LLM:
             tune_gemm=tune_gemm,
             pack_weights=pack_weights,
             up_layout=up_layout,
+            allow_extreme_weights=allow_extreme_weights,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.
         self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)

@@ -160,6 +160,7 @@ class ModelRunner:
             self.rank,
             DTYPES[spec.runtime.dtype],
             kv_cache=config.kv_cache,
+            allow_extreme=config.allow_extreme_weights,
         )
         backend = config.backend if config.path == "static" else "eager"
         model = TPModel(

@@ -104,3 +104,5 @@ class RunnerConfig:
     # among the forms that read the weights as stored.
     pack_weights: bool = True
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
+    # A weight of absurd magnitude (``runtime.model.checkpoint``) is a warning, not an error.
+    allow_extreme_weights: bool = False

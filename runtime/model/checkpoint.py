@@ -11,6 +11,8 @@ U [r, out], W [in, out]), so a math column slice is a stored row slice.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,14 @@ from dsl.spec import ModelConfig, Spec
 from runtime.model.shard import pad_dim
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# A weight this far from its tensor's scale is a corrupted value, not a trained one (a
+# finite 3e38 loaded and the model emitted token 0 forever): the largest |w| / RMS of
+# any tensor of SmolLM2-135M is 51 (layer 27's gate), its largest |w| 9.25, and no
+# trained weight nears fp16's largest value, past which half-precision activations
+# overflow.
+MAX_WEIGHT_OVER_RMS = 1e4
+MAX_WEIGHT = 65504.0
+log = logging.getLogger("deinfer.checkpoint")
 
 
 class CheckpointError(UserError):
@@ -126,10 +136,13 @@ def has_bias(m: ModelConfig, name: str) -> bool:
 
 
 class CheckpointReader:
-    """Lazy access to the tensors of a checkpoint folder (one file or an index)."""
+    """Lazy access to the tensors of a checkpoint folder (one file or an index). Every
+    value read is checked: NaN or Inf is refused, and so is an absurd magnitude unless
+    ``allow_extreme`` (then it is a warning)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, allow_extreme: bool = False) -> None:
         self.folder = Path(folder)
+        self.allow_extreme = allow_extreme
         if not self.folder.is_dir():
             raise CheckpointError(f"checkpoint folder not found: {self.folder}")
         index = self.folder / "model.safetensors.index.json"
@@ -189,7 +202,26 @@ class CheckpointReader:
         t = t.float()
         if not torch.isfinite(t).all():
             raise CheckpointError(f"tensor {name} contains NaN or Inf")
+        self._check_magnitude(name, t)
         return t
+
+    def _check_magnitude(self, name: str, t: torch.Tensor) -> None:
+        peak = float(t.abs().max()) if t.numel() else 0.0
+        if peak == 0.0:
+            return
+        norm = float(torch.linalg.vector_norm(t))
+        if not math.isfinite(norm):  # a huge value's square overflows fp32: again in fp64
+            norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+        rms = norm / math.sqrt(t.numel())
+        if peak <= MAX_WEIGHT and peak <= MAX_WEIGHT_OVER_RMS * rms:
+            return
+        message = (
+            f"tensor {name} holds a value of magnitude {peak:.3g}, {peak / rms:.3g} times "
+            f"its RMS (the bounds: {MAX_WEIGHT:g}, and {MAX_WEIGHT_OVER_RMS:g} times the RMS)"
+        )
+        if not self.allow_extreme:
+            raise CheckpointError(f"{message}; --allow-extreme-weights loads it anyway")
+        log.warning("%s; loaded as asked (--allow-extreme-weights)", message)
 
 
 def _read_index(index: Path, folder: Path) -> dict[str, str]:

@@ -67,12 +67,14 @@ def load_rank_weights(
     rank: int,
     dtype: torch.dtype,
     kv_cache: str = "dense",
+    allow_extreme: bool = False,
 ) -> ModelWeights:
     """Validate the checkpoint against ``spec`` and read rank ``rank``'s slices; the
     layers whose cache is latent under ``kv_cache`` get k's factors in the copy basis
     (``runtime.model.latent_basis``, where decode can use it), on every path, so that
-    every path caches the same."""
-    reader = CheckpointReader(folder)
+    every path caches the same. ``allow_extreme``: absurd weight magnitudes are a
+    warning, not an error (``CheckpointReader``)."""
+    reader = CheckpointReader(folder, allow_extreme)
     validate(reader, spec)
     m, tp = spec.model, mode_plan.tp
     names = names_for(m)

@@ -24,7 +24,12 @@ from dsl.spec import ModelConfig
 from runtime.model.checkpoint import CheckpointError, CheckpointReader, Names, has_bias, names_for
 from runtime.tools.compress.calibration import INPUT_OF
 from runtime.tools.compress.factorize import InputStats, factorize
-from runtime.tools.compress.output import FORMAT, DecomposedWriter, staged_folder
+from runtime.tools.compress.output import (
+    FORMAT,
+    DecomposedWriter,
+    check_output_folder,
+    staged_folder,
+)
 
 HF_FAMILIES = {
     "llama": "llama",
@@ -52,6 +57,8 @@ HF_ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
 }
+
+TOOL = "deinfer decompose"
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -180,13 +187,16 @@ def decompose(
     stats: dict[tuple[int, str], InputStats] | None = None,
     alpha: float = 0.5,
     record: dict[str, Any] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write the decomposed checkpoint of ``model_dir`` for ``spec`` into ``out_dir``.
+    """Write the decomposed checkpoint of ``model_dir`` for ``spec`` into ``out_dir``
+    (a new or empty folder, or one ``deinfer decompose`` wrote; any other with ``force``).
 
     ``stats`` (from ``runtime.tools.compress.calibration``) feed the data-aware methods;
     ``record`` (how the checkpoint was made) goes into config.json beside the ranks,
     with the diagonal shift of every Gram matrix that needed one."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_output_folder(out_dir, TOOL, (model_dir,), force)  # before any work
     config = read_hf_config(model_dir)
     check_matches(spec, config)
     reader = CheckpointReader(model_dir)
@@ -194,7 +204,7 @@ def decompose(
     m = spec.model
     out_dtype = DTYPES[dtype]
     n_files = m.num_layers + 1
-    with staged_folder(out_dir) as tmp:
+    with staged_folder(out_dir, TOOL, (model_dir,), force) as tmp:
         writer = DecomposedWriter(tmp, n_files, out_dtype)
         for i, ranks in enumerate(
             tqdm(spec.decomposition.layers, desc="decompose", unit="layer", disable=not progress)

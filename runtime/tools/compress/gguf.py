@@ -15,7 +15,9 @@ import zipfile
 from pathlib import Path
 
 from dsl.errors import UserError
-from runtime.tools.compress.output import staged_folder
+from runtime.tools.compress.output import check_output_folder, save_tensors, staged_folder
+
+GGUF_TOOL = "deinfer import --format gguf"
 
 
 def gguf_in(src: Path, scratch: Path) -> Path:
@@ -40,17 +42,18 @@ def gguf_in(src: Path, scratch: Path) -> Path:
     return target
 
 
-def import_gguf(src: str | Path, out: str | Path) -> Path:
-    """Write the dense transformers folder of the GGUF model in ``src`` to ``out``."""
+def import_gguf(src: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write the dense transformers folder of the GGUF model in ``src`` to ``out`` (a new
+    or empty folder, or one this importer wrote; any other with ``force``)."""
     import torch
     import transformers
-    from safetensors.torch import save_file
 
     try:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as exc:  # pragma: no cover - depends on the installed transformers
         raise UserError(f"GGUF import needs transformers with GGUF support ({exc})") from None
     out = Path(out)
+    check_output_folder(out, GGUF_TOOL, (Path(src),), force)
     with tempfile.TemporaryDirectory(prefix="deinfer-gguf-") as scratch:
         path = gguf_in(Path(src), Path(scratch))
         try:
@@ -78,9 +81,9 @@ def import_gguf(src: str | Path, out: str | Path) -> Path:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name
         )
-        with staged_folder(out) as tmp:
+        with staged_folder(out, GGUF_TOOL, (Path(src),), force) as tmp:
             state = {k: torch.as_tensor(tensors[k]).float().contiguous() for k in sorted(expected)}
-            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+            save_tensors(state, tmp / "model.safetensors")
             config.dtype = "float32"
             config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

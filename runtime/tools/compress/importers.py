@@ -33,7 +33,12 @@ from dsl import Spec, parse_spec
 from dsl.errors import UserError
 from dsl.spec import ModelConfig
 from runtime.model.checkpoint import CheckpointError, CheckpointReader, Names, names_for
-from runtime.tools.compress.output import FORMAT, DecomposedWriter, staged_folder
+from runtime.tools.compress.output import (
+    FORMAT,
+    DecomposedWriter,
+    check_output_folder,
+    staged_folder,
+)
 
 FORMATS = ("svd-llm", "asvd", "palu-headwise", "gguf")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -41,6 +46,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TYPE_PREFIXES = ("palu", "asvd", "svd")
 
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Dᵀ [r,in], Uᵀ [out,r], bias
+
+IMPORT_TOOL = "deinfer import"
 
 
 def read_source_config(src: Path) -> dict[str, Any]:
@@ -246,23 +253,30 @@ def _config_record(config: dict, spec: Spec, fmt: str) -> dict:
 
 
 def import_checkpoint(
-    fmt: str, src: str | Path, out: str | Path, spec_out: str | Path, name: str | None = None
+    fmt: str,
+    src: str | Path,
+    out: str | Path,
+    spec_out: str | Path,
+    name: str | None = None,
+    force: bool = False,
 ) -> tuple[Path, Path]:
     """Read ``src`` (layout ``fmt``) into a decomposed checkpoint at ``out`` and its spec
-    at ``spec_out``."""
+    at ``spec_out`` (``out``: a new or empty folder, or one this importer wrote; any other
+    with ``force``)."""
     from runtime.tools.compress.allocate import allocated_spec_yaml
     from runtime.tools.decompose import copy_tokenizer, layer_norm_names, model_level_names
 
     if fmt not in LAYOUTS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, found {fmt!r}")
     src, out, spec_out = Path(src), Path(out), Path(spec_out)
+    check_output_folder(out, IMPORT_TOOL, (src,), force)
     config = read_source_config(src)
     base_text, base = _base_spec(config, src, name or spec_out.stem)
     m, names = base.model, names_for(base.model)
     reader = CheckpointReader(src)
     layout = LAYOUTS[fmt](reader, config)
     ranks: list[dict[str, int | None]] = []
-    with staged_folder(out) as tmp:
+    with staged_folder(out, IMPORT_TOOL, (src,), force) as tmp:
         writer = DecomposedWriter(tmp, m.num_layers + 1, torch.float32)
         for i in range(m.num_layers):
             tensors, layer_ranks = _layer_tensors(layout, m, names, i)

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from dsl import parse_spec
+from dsl.errors import UserError
 from runtime.tools.compress.calibration import CalibrationSource
 from runtime.tools.compress.fidelity import EvalConfig, Reference, dense_reference, evaluate
+from runtime.tools.compress.output import OWNER_FILE, check_output_folder
 from runtime.tools.compress.pipeline import Calibrated, Calibration, allocate, allocated_spec
 
 
@@ -32,6 +34,7 @@ class FidelityConfig:
     kv_cache: str | None = None
     keep: Path | None = None
     progress: bool = True
+    force: bool = False  # replace --out / --keep even if another tool's files are there
 
 
 def factor_parameters(spec) -> tuple[int, int]:
@@ -75,6 +78,7 @@ def _one(
         stats=stats,
         alpha=cfg.alpha,
         record=calibrated.record,
+        force=cfg.force,
     )
     made = time.perf_counter()
     with LLM(spec_path, checkpoint, tp=cfg.tp, mode=cfg.mode, kv_cache=cfg.kv_cache) as llm:
@@ -101,9 +105,23 @@ def _one(
     return row
 
 
+TOOL = "deinfer fidelity"
+
+
+def _owned_record() -> str:
+    return json.dumps({"written_by": TOOL}, indent=2) + "\n"
+
+
 def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list[Path]:
+    """The table in ``out_dir`` (replaced whole after every row) and, with ``cfg.keep``,
+    the checkpoints and specs in that folder; both checked before any work."""
+    from codegen.folder import write_atomically
     from runtime.tools.decompose import read_hf_config, spec_yaml
 
+    if cfg.keep and out_dir.resolve() in (cfg.keep.resolve(), *cfg.keep.resolve().parents):
+        raise UserError(f"--keep {cfg.keep} must lie outside --out {out_dir} (replaced whole)")
+    for folder in (out_dir, cfg.keep) if cfg.keep else (out_dir,):
+        check_output_folder(folder, TOOL, (cfg.model,), cfg.force)
     hf = read_hf_config(cfg.model)
     ref = dense_reference(cfg.model, ecfg)
     calibrated = Calibrated(
@@ -124,13 +142,13 @@ def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list
             "dense": ref.metrics,
             "rows": rows,
         }
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(result, indent=2))
-        (out_dir / "results.md").write_text(markdown(result))
+        files = {"results.json": json.dumps(result, indent=2), "results.md": markdown(result)}
+        write_atomically(files | {OWNER_FILE: _owned_record()}, out_dir)
 
     with tempfile.TemporaryDirectory(prefix="deinfer-fidelity-") as scratch:
         work = cfg.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
+        (work / OWNER_FILE).write_text(_owned_record())
         for cut in cfg.cuts:
             for method in cfg.methods:
                 name = f"fidelity-{method}-cut{round(cut * 100)}"
