@@ -2,9 +2,9 @@
 /health and /metrics (Prometheus). Every error is an OpenAI-shaped JSON body whose
 message is one line; the server keeps serving after any of them.
 
-The event loop only moves bytes: a body is size-checked as it is read, tokenizing and
-the echoed prompt's decoding run in one tokenizer thread, and the engine runs in its
-own (``EngineLoop``)."""
+The event loop only moves bytes: a body is size-checked as it is read; parsing it,
+tokenizing and the echoed prompt's decoding run in one worker thread, and the engine
+runs in its own (``EngineLoop``)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class Routes:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     async def _parse(self, request: Request, model: type[T]) -> T:
-        req = parse(model, await read_body(request, self.max_body_bytes))
+        body = await read_body(request, self.max_body_bytes)
+        req = await self._off_loop(parse, model, body)  # megabytes of JSON: not on the loop
         if req.model != self.model_name:
             raise BadRequest(
                 f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
