@@ -234,20 +234,27 @@ def test_sigterm_past_the_timeout_ends_every_stream_with_abort_and_done(checkpoi
     assert "Traceback" not in srv.log.read_text()
 
 
-def test_a_dead_rank_is_logged_and_the_server_exits_nonzero(checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "sig,words",
+    [(signal.SIGKILL, "died (exit code -9)"), (signal.SIGSTOP, "stopped answering")],
+)
+def test_a_dead_or_stopped_rank_is_logged_and_the_server_exits_nonzero(
+    checkpoint, tmp_path, sig, words
+):
     srv = Server(*checkpoint, 2, tmp_path / "serve.log")
     ranks = [pid for pid in srv.children() if "spawn_main" in _cmdline(pid)]
     body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 470, "stream": True}
-    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body | {"ignore_eos": True}) as r:
+    url = f"{srv.url}/v1/completions"
+    with httpx.stream("POST", url, json=body | {"ignore_eos": True}, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
         start = time.monotonic()
-        os.kill(ranks[-1], signal.SIGKILL)
+        os.kill(ranks[-1], sig)
         rest = [line for line in lines if line.startswith("data: ")]
     assert "error" in json.loads(rest[-1][6:]) and time.monotonic() - start < 20
     assert srv.proc.wait(timeout=20) == 1
     log = srv.log.read_text()
-    assert "died (exit code -9)" in log and "error: the server stopped" in log
+    assert words in log and "error: the server stopped" in log
     time.sleep(0.5)
     assert [p for p in ranks if Path(f"/proc/{p}").exists() and not_zombie(p)] == []
 
