@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from codegen.cli.main import gen_main
-from codegen.folder import _exchange, stale_files, write_atomically
+from codegen.folder import stale_files
 from codegen.generate import generate
 from dsl import parse_spec
 from dsl.errors import SpecError, UserError
+from dsl.folders import _exchange, write_atomically
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
 from runtime.kernels.loader import load_generated
@@ -107,7 +108,7 @@ def test_swap_is_one_rename_and_killed_runs_are_cleaned(tmp_path, monkeypatch):
     out.rename(old)
     write_atomically(a, out)
     assert stale_files(a, out) == [] and not old.exists()
-    monkeypatch.setattr("codegen.folder._exchange", lambda new, out: False)  # no renameat2
+    monkeypatch.setattr("dsl.folders._exchange", lambda new, out: False)  # no renameat2
     write_atomically(b, out)
     assert stale_files(b, out) == [] and os.listdir(tmp_path) == ["gen"]
 

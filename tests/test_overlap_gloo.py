@@ -4,12 +4,14 @@ gather-then-GEMM, consumes the local chunk first, and counts as one all-gather."
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import yaml
 
 from codegen.generate import generate, write_atomically
 from dsl import parse_spec
+from runtime.dist.failures import CallFailed
 from runtime.dist.launcher import WorkerError, WorkerGroup, launch
 from tests.conftest import SPECS
 from tests.tp_workers import run_overlapped_up
@@ -56,9 +58,33 @@ def _hang(rank, world):
     return rank
 
 
-def test_failing_rank_is_named():
-    with pytest.raises(WorkerError, match="rank 1 failed"):
-        launch(_boom, 2, timeout_s=60)
+def _boom_before_a_collective(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one leaves its peer in an all-reduce")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_failing_rank_is_named_and_the_group_goes_on():
+    """Every rank answered (one with its error): the group is intact for the next call."""
+    with WorkerGroup(2, timeout_s=60) as group:
+        with pytest.raises(CallFailed, match="rank 1 failed: ValueError: rank one fails"):
+            group.run(_boom)
+        assert group.run(_rank) == [0, 1]
+
+
+def test_a_failure_that_strands_a_peer_in_a_collective_ends_the_group():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"did not answer within 5 s \(stuck in a collective"):
+        launch(_boom_before_a_collective, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+
+
+def _rank(rank, world):
+    return rank
 
 
 def test_hanging_rank_is_named():

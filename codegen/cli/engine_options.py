@@ -58,6 +58,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="run the ranks in network namespaces behind an emulated link, e.g. 200mbit "
         "(tc units; needs root and iproute2)",
     )
+    _add_safety_arguments(p)
+
+
+def _add_safety_arguments(p: argparse.ArgumentParser) -> None:
+    """How much the engine trusts its checkpoint and its ranks."""
     p.add_argument(
         "--allow-extreme-weights",
         action="store_true",

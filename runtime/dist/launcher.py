@@ -24,7 +24,6 @@ import signal
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -32,8 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsl.errors import RuntimeFailure, UserError
 from runtime.dist.emulated_link import EmulatedLinks, LinkSpec, enter_namespace, probe_all_gather
+from runtime.dist.failures import (
+    CallFailed,
+    WorkerError,
+    last_line,
+    raise_failure,
+    rank_failure,
+)
 
 HEARTBEAT_S = 15.0  # a rank silent this long is stopped or hung (it beats once a second)
 # After one rank raised, how long the others get to answer before the group counts as
@@ -42,21 +47,6 @@ HEARTBEAT_S = 15.0  # a rank silent this long is stopped or hung (it beats once 
 # stuck in a collective the failed rank never joined.
 PEERS_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
-
-
-class WorkerError(RuntimeFailure):
-    """A worker rank failed, died or hung; the group is gone. The message is one line;
-    ``details`` holds the rank's traceback when there is one."""
-
-
-class CallFailed(RuntimeFailure):
-    """A call raised (on some or all ranks) but every rank answered: the group is intact
-    and the next call may go on. One line; ``details`` holds a traceback."""
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no message)"
 
 
 def _die_with_parent(parent: int) -> None:
@@ -90,31 +80,6 @@ def _beat(beats, rank: int) -> None:
     while True:
         beats[rank] = time.monotonic()
         time.sleep(1.0)
-
-
-class LocalWorker:
-    """This process's rank as a ``WorkerGroup`` of one: alone (tp 1), or one rank of a
-    ``torchrun`` group where every rank runs the same driver in lockstep (``spmd``)."""
-
-    def __init__(self, init: tuple[Callable[..., Any], tuple], spmd: bool = False) -> None:
-        factory, args = init
-        rank, world = (dist.get_rank(), dist.get_world_size()) if spmd else (0, 1)
-        self.state = factory(rank, world, *args)
-        self.world, self.spmd = world, spmd
-
-    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        if self.spmd:  # the peers' drivers may be anywhere: nothing is known to be intact
-            return [getattr(self.state, method)(*args)]
-        try:
-            return [getattr(self.state, method)(*args)]
-        except UserError:
-            raise
-        except Exception as exc:
-            details = traceback.format_exc()
-            raise CallFailed(_last_line(details), details) from exc
-
-    def close(self) -> None:
-        self.state = None
 
 
 def free_port() -> int:
@@ -191,7 +156,7 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
     except Exception as exc:
-        results.put((rank, *_failure(exc)))
+        results.put((rank, *rank_failure(exc)))
         return
     state = None
     try:
@@ -199,7 +164,7 @@ def _worker(
             factory, init_args = init
             state = factory(rank, world, *init_args)
     except Exception as exc:
-        results.put((rank, *_failure(exc)))
+        results.put((rank, *rank_failure(exc)))
         return
     results.put((rank, "ready", None))
     while True:
@@ -211,24 +176,8 @@ def _worker(
             value = getattr(state, fn)(*args) if isinstance(fn, str) else fn(rank, world, *args)
             results.put((rank, "ok", value))
         except Exception as exc:
-            results.put((rank, *_failure(exc)))
+            results.put((rank, *rank_failure(exc)))
     dist.destroy_process_group()
-
-
-def _failure(exc: Exception) -> tuple[str, str]:
-    """("user_error", message) for the user's mistake (every rank says the same: the
-    driver shows it once, in one line); ("error", traceback) for anything else."""
-    if isinstance(exc, UserError):
-        return "user_error", str(exc)
-    return "error", traceback.format_exc()
-
-
-def _raise_failure(rank: int, status: str, value: str, kind: type[RuntimeFailure]) -> None:
-    """A rank's user error as it is (every rank says the same: shown once), anything else
-    as ``kind`` naming the rank, with its traceback as details."""
-    if status == "user_error":
-        raise UserError(value)
-    raise kind(f"rank {rank} failed: {_last_line(value)}", value)
 
 
 def _probe_link(rank: int, world: int, nbytes: int) -> dict[str, float]:
@@ -351,14 +300,14 @@ class WorkerGroup:
             if culprit is not None or want == "ready":
                 self.close()
                 if culprit is not None:
-                    raise WorkerError(f"{culprit}; rank {rank} then failed: {_last_line(value)}")
-                _raise_failure(rank, status, value, WorkerError)
+                    raise WorkerError(f"{culprit}; rank {rank} then failed: {last_line(value)}")
+                raise_failure(rank, status, value, WorkerError)
             if not failed:
                 deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
             failed[rank] = (status, value)
         if failed:  # every rank answered: the group is intact
             rank = min(failed)
-            _raise_failure(rank, *failed[rank], CallFailed)
+            raise_failure(rank, *failed[rank], CallFailed)
         return [out[r] for r in range(self.world)]
 
     def _check_waiting(
@@ -379,7 +328,7 @@ class WorkerGroup:
         if failed:
             rank = min(failed)
             raise WorkerError(
-                f"rank {rank} failed: {_last_line(failed[rank][1])}; ranks {waiting} did not "
+                f"rank {rank} failed: {last_line(failed[rank][1])}; ranks {waiting} did not "
                 f"answer within {PEERS_GRACE_S:.0f} s (stuck in a collective it left)",
                 failed[rank][1],
             ) from None

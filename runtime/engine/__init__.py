@@ -3,7 +3,8 @@
 its paged KV cache (``kv_cache``), static CUDA-graph decode (``static_decode``) and
 batched sampling (``sampling``)."""
 
-from runtime.engine.llm import LLM, RequestOutput, StreamEvent
+from runtime.engine.llm import LLM
+from runtime.engine.outputs import RequestOutput, StreamEvent
 from runtime.engine.sequence import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent"]

@@ -9,11 +9,9 @@ same gathered logits with the same per-request generator, and rank 0's answer is
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +20,17 @@ import torch.distributed as dist
 
 from codegen import generated_folder
 from dsl import Spec, build_plan, load_spec
-from dsl.errors import RuntimeFailure, UserError
+from dsl.errors import UserError
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
-from runtime.dist.launcher import (
-    HEARTBEAT_S,
-    CallFailed,
-    LocalWorker,
-    WorkerGroup,
-    init_from_env,
-    under_torchrun,
-)
+from runtime.dist.failures import CallFailed
+from runtime.dist.launcher import HEARTBEAT_S, WorkerGroup, init_from_env, under_torchrun
+from runtime.dist.local_worker import LocalWorker
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.kv_cache import bytes_per_block
-from runtime.engine.model_runner import ModelRunner, SeqInput
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.outputs import RequestOutput, StepFailed, StreamEvent
+from runtime.engine.request_checks import check_params, encode_prompt
 from runtime.engine.runner_config import (
     RunnerConfig,
     backend_for,
@@ -45,49 +40,10 @@ from runtime.engine.runner_config import (
 )
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
+from runtime.engine.step_io import SeqInput
 from runtime.model.checkpoint import has_tokenizer
 
 log = logging.getLogger("deinfer.engine")
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str | None
-    text: str | None = None
-    arrival: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # perf_counter per token
-    num_preemptions: int = 0
-    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, if asked
-    # TokenLogprobs per prompt token (None for the first), if ``prompt_logprobs`` asked
-    prompt_logprobs: list | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.arrival if self.token_times else None
-
-    @property
-    def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    request: int  # index into the prompts given
-    token_id: int | None  # None: the request ended with an error (``error`` says which)
-    time: float  # perf_counter
-    finished: bool
-    error: str | None = None
-
-
-class StepFailed(RuntimeFailure):
-    """A step raised on the ranks while every rank stayed in step: the step's requests
-    were ended (``finish_reason`` "error: ...", blocks freed) and the engine goes on."""
-
-    def __init__(self, message: str, sequences: list[Sequence], details: str = "") -> None:
-        super().__init__(message, details)
-        self.sequences = sequences
 
 
 def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
@@ -257,29 +213,10 @@ class LLM:
     # --- requests ----------------------------------------------------------------------
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise UserError("text prompts need a tokenizer in the checkpoint; give token ids")
-            return list(self.tokenizer.encode(prompt))
-        vocab = self.spec.model.vocab_size
-        ids = list(prompt)
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise UserError(f"prompt token {i} is {str(t)[:40]!r}: token ids are integers")
-            if not 0 <= t < vocab:
-                raise UserError(f"prompt token {i} is {t}; the vocabulary has ids 0 to {vocab - 1}")
-        return [int(t) for t in ids]
+        return encode_prompt(prompt, self.tokenizer, self.spec.model.vocab_size)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What ``SamplingParams`` cannot check alone: ids within this vocabulary."""
-        vocab = self.spec.model.vocab_size
-        if params.top_k > vocab:
-            raise UserError(f"top_k is {params.top_k}; the vocabulary has {vocab} tokens")
-        for token, _ in params.logit_bias:
-            if token >= vocab:
-                raise UserError(
-                    f"logit_bias names token {token}; the vocabulary has ids 0 to {vocab - 1}"
-                )
+        check_params(params, self.spec.model.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         self._check_params(params)

@@ -6,7 +6,6 @@ work proportional to the tokens that exist (``runtime.model.eager_attention``)."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,8 +24,8 @@ from runtime.engine.sampling import (
     sample,
     token_logprobs,
 )
-from runtime.engine.sequence import SamplingParams
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
+from runtime.engine.step_io import Piece, Sampled, SeqInput, prefill_chunks
 from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
 from runtime.kernels.eager import rope_tables
 from runtime.kernels.huge_pages import return_freed_heap
@@ -46,56 +45,6 @@ from runtime.model.transformer import TPModel
 from runtime.model.weights import load_rank_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """What a step returns: a token per sequence, log-probabilities where any was asked,
-    and the prompt's log-probabilities of the prefilled sequences that asked for them
-    (by index in the step; position 0 has none: nothing comes before it)."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SeqInput:
-    """What a rank needs of one sequence for one step."""
-
-    id: int
-    tokens: list[int]  # all tokens for prefill; the last one for decode
-    length: int  # tokens in the sequence, the one being processed included
-    block_table: list[int]
-    params: SamplingParams
-    prompt_logprobs: bool = False  # prefill: also score every token of ``tokens``
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Tokens start..stop-1 of sequence ``seq`` of a prefill batch."""
-
-    seq: int
-    start: int
-    stop: int
-
-
-def prefill_chunks(lengths: list[int], chunk: int) -> list[list[Piece]]:
-    """Pack the prompts, in order, into forwards of at most ``chunk`` tokens; a prompt
-    that does not fit continues in the next forward."""
-    chunks: list[list[Piece]] = [[]]
-    room = chunk
-    for seq, length in enumerate(lengths):
-        start = 0
-        while start < length:
-            if room == 0:
-                chunks.append([])
-                room = chunk
-            stop = min(length, start + room)
-            chunks[-1].append(Piece(seq, start, stop))
-            room -= stop - start
-            start = stop
-    return chunks
 
 
 class ModelRunner:

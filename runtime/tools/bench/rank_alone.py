@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dsl import Spec
 from dsl.errors import UserError
 from runtime.dist.comm import Comm
-from runtime.dist.launcher import LocalWorker
+from runtime.dist.local_worker import LocalWorker
 from runtime.dist.shm_collectives import supported as shm_supported
 from runtime.engine.llm import LLM
 from runtime.engine.model_runner import ModelRunner

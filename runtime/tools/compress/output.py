@@ -1,7 +1,7 @@
 """Output folders of the checkpoint writers (``deinfer decompose``, ``import``,
 ``fidelity``), written whole or not at all, and only where they may be.
 
-The rule ``deinfer-gen`` follows for generated code (``codegen.folder``): a writer
+The rule ``deinfer-gen`` follows for generated code: a writer
 replaces only a new or empty folder, or one that the same tool wrote (its
 ``deinfer-output.json`` says which), anything else only with ``--force`` — and never the
 source it reads, a folder holding that source, or the folder the user stands in. The
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from codegen.folder import clean_stale, new_sibling, swap_in
 from dsl.errors import RuntimeFailure, UserError
+from dsl.folders import clean_stale, new_sibling, swap_in
 
 FORMAT = "deinfer-lowrank-v1"
 OWNER_FILE = "deinfer-output.json"

@@ -13,6 +13,7 @@ from typing import Any
 
 from dsl import parse_spec
 from dsl.errors import UserError
+from dsl.folders import write_atomically
 from runtime.tools.compress.calibration import CalibrationSource
 from runtime.tools.compress.fidelity import EvalConfig, Reference, dense_reference, evaluate
 from runtime.tools.compress.output import OWNER_FILE, check_output_folder
@@ -115,7 +116,6 @@ def _owned_record() -> str:
 def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list[Path]:
     """The table in ``out_dir`` (replaced whole after every row) and, with ``cfg.keep``,
     the checkpoints and specs in that folder; both checked before any work."""
-    from codegen.folder import write_atomically
     from runtime.tools.decompose import read_hf_config, spec_yaml
 
     if cfg.keep and out_dir.resolve() in (cfg.keep.resolve(), *cfg.keep.resolve().parents):
