@@ -26,19 +26,8 @@ from runtime.tools.compress.output import OWNER_FILE
 from runtime.tools.decompose import model_section
 from tests.conftest import REPO
 from tests.hardening import one_line
-from tests.hf_models import build_hf
+from tests.hf_models import TINY_LLAMA, build_hf
 
-CONFIG = {
-    "vocab_size": 40,
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.1,
-}
 RUNTIME = {"dtype": "float32", "max_batch_size": 2, "max_seq_len": 32, "block_size": 4}
 
 
@@ -46,7 +35,7 @@ RUNTIME = {"dtype": "float32", "max_batch_size": 2, "max_seq_len": 32, "block_si
 def dense(tmp_path_factory) -> tuple[Path, Path]:
     """(dense transformers folder, spec of a 40% cut)."""
     work = tmp_path_factory.mktemp("outputs")
-    build_hf("llama", CONFIG, seed=5).save_pretrained(work / "dense")
+    build_hf("llama", TINY_LLAMA, seed=5).save_pretrained(work / "dense")
     config = json.loads((work / "dense" / "config.json").read_text())
     raw = {"name": "tiny-out", "model": model_section(config), "decomposition": {"ratio": 0.4}}
     spec = work / "tiny-out.yaml"
