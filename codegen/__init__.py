@@ -1,7 +1,7 @@
 """Code generation: spec + plan -> Triton kernels and the registry under generated/.
 
 The runtime calls codegen through one function, ``generated_folder``; everything else
-here serves ``deinfer-gen`` (``codegen.cli``).
+here serves ``deinfer-gen`` (``cli``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from codegen.folder import cache_folder, stale_files
+from codegen.generate import generate
+from codegen.version import __version__
+
+__all__ = ["__version__", "generated_folder"]
 
 if TYPE_CHECKING:
     from dsl import Spec
@@ -19,10 +23,6 @@ def generated_folder(spec: Spec, root: str | Path = "generated") -> Path:
     """The folder of generated code for ``spec``: the committed ``<root>/<name>`` when it
     is current for this spec, else the same code rendered into the user's cache (by
     hash: nothing temporary to clean up after a kill)."""
-    # Imported here: these modules import ``codegen`` (for ``__version__``) themselves.
-    from codegen.folder import cache_folder, stale_files
-    from codegen.generate import generate
-
     gen = generate(spec)
     committed = Path(root) / spec.name
     if committed.is_dir() and not stale_files(gen.files, committed):

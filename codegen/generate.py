@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from codegen import __version__
 from codegen.families import (
     down_proj,
     gemm_fixed,
@@ -21,7 +20,9 @@ from codegen.families import (
 from codegen.families.context import GenContext
 from codegen.folder import stale_files, write_atomically
 from codegen.render import KernelFile, render, template_hash
+from codegen.version import __version__
 from dsl import Spec, build_plan
+from dsl.dump import spec_digest
 from dsl.report import plan_json
 from tune.store import CONFIG_ROOT, normalise_device_name
 
@@ -49,7 +50,7 @@ def generate(
     file regenerates nothing."""
     device = normalise_device_name(device) if device else None
     ctx = GenContext(spec=spec, plan=build_plan(spec), device=device, config_root=config_root)
-    spec_hash = spec.digest
+    spec_hash = spec_digest(spec)
     kernels = tuple(k for family in FAMILIES for k in family.generate(ctx))
     files = {k.file_name: render(k, spec.name, spec_hash) for k in kernels}
     files["__init__.py"] = (

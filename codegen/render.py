@@ -11,7 +11,7 @@ from typing import Any
 
 import jinja2
 
-from codegen import __version__
+from codegen.version import __version__
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Strings that reach emitted code are built from a fixed vocabulary and numbers; this

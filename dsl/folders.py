@@ -2,7 +2,7 @@
 sibling (``new_sibling``) and swapped in by one ``renameat2(RENAME_EXCHANGE)`` — at every
 instant the target holds either the old or the new files — and siblings left by a writer
 that was killed are removed by the next one (``clean_stale``). ``deinfer-gen``
-(``codegen.folder``) and the checkpoint writers (``runtime.tools.compress.output``) use
+(``codegen.folder``) and the checkpoint writers (``compress.output``) use
 it; each decides on its own which folders it may replace."""
 
 from __future__ import annotations

@@ -90,10 +90,10 @@ def load_spec(path: str | Path) -> Spec:
 
 def parse_spec(text: str, default_name: str = "spec") -> Spec:
     """Parse YAML text into a validated ``Spec``."""
-    return _Parser().spec(read_yaml(text), default_name)
+    return SpecParser().spec(read_yaml(text), default_name)
 
 
-class _Parser(RankParser):
+class SpecParser(RankParser):
     """Validating walk over the raw YAML tree; every check knows its path."""
 
     def spec(self, raw: Any, default_name: str) -> Spec:

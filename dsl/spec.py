@@ -158,30 +158,6 @@ class Spec:
 
     # Validated replacements (``dsl.variants``; imported here on use: it needs the loader,
     # which needs these classes).
-    def with_tp(self, tp: int) -> Spec:
-        from dsl.variants import with_tp
-
-        return with_tp(self, tp)
-
-    def with_runtime(self, **changes: object) -> Spec:
-        from dsl.variants import with_runtime
-
-        return with_runtime(self, **changes)
-
-    def with_ratio(
-        self, ratio: float, rule: str = "smaller_dim_fraction", rank_multiple: int = 1
-    ) -> Spec:
-        from dsl.variants import with_ratio
-
-        return with_ratio(self, ratio, rule, rank_multiple)
-
-    @property
-    def digest(self) -> str:
-        """sha256 of the canonical text (``dsl.dump``)."""
-        from dsl.dump import spec_digest
-
-        return spec_digest(self)
-
     def layer_shapes(self) -> tuple[LayerRanks, ...]:
         """Distinct layer shapes in first-appearance order (equal ranks share code)."""
         seen: dict[LayerRanks, None] = {}

@@ -6,20 +6,20 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
-from dsl.load import _Parser
+from dsl.load import SpecParser
 from dsl.spec import Spec
 
 
 def with_tp(spec: Spec, tp: int) -> Spec:
     """``spec`` at another TP degree (checked against the head counts)."""
-    return replace(spec, parallel=_Parser().parallel({"tp": tp}, "parallel", spec.model))
+    return replace(spec, parallel=SpecParser().parallel({"tp": tp}, "parallel", spec.model))
 
 
 def with_runtime(spec: Spec, **changes: Any) -> Spec:
     """``spec`` with some ``runtime`` fields replaced, e.g. ``max_batch_size=16``."""
     raw = {**asdict(spec.runtime), **changes}
     raw["cuda_graph_batch_sizes"] = list(raw["cuda_graph_batch_sizes"])
-    return replace(spec, runtime=_Parser().runtime(raw, "runtime", spec.model))
+    return replace(spec, runtime=SpecParser().runtime(raw, "runtime", spec.model))
 
 
 def with_ratio(
@@ -27,4 +27,4 @@ def with_ratio(
 ) -> Spec:
     """``spec`` with every layer's ranks derived from one compression ratio."""
     raw = {"ratio": ratio, "rule": rule, "rank_multiple": rank_multiple}
-    return replace(spec, decomposition=_Parser().decomposition(raw, "decomposition", spec.model))
+    return replace(spec, decomposition=SpecParser().decomposition(raw, "decomposition", spec.model))

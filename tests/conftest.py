@@ -45,7 +45,7 @@ def assert_x86_vectors() -> None:
 def deinfer_cli(*args: str, cwd: Path = REPO, env: dict | None = None):
     """``deinfer ARGS`` in a child process (the installed entry point's module)."""
     return subprocess.run(
-        [sys.executable, "-m", "codegen.cli.main", *args],
+        [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         cwd=cwd,

@@ -125,7 +125,7 @@ def tiny_runtime(max_seq_len: int, max_batch_size: int = 4) -> dict:
 
 def decompose_with_cli(dense: Path, spec_path: Path, out: Path) -> None:
     """``deinfer decompose`` as a user runs it (in process)."""
-    from codegen.cli.main import main as cli
+    from cli.main import main as cli
 
     args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--out", str(out)]
     assert cli([*args, "--quiet"]) == 0
@@ -139,8 +139,8 @@ def make_decomposed(
     the products D·U, spec)."""
     import yaml
 
+    from compress.decompose import model_section
     from dsl import parse_spec
-    from runtime.tools.decompose import model_section
 
     hf = build_hf(family, kwargs, seed)
     hf.save_pretrained(tmp / "dense")

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from runtime.tools.bench.serve import ServerProcess
+from bench.serve import ServerProcess
 from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed, tiny_runtime
 
 VOCAB = 48

@@ -11,8 +11,6 @@ import pytest
 from tests.conftest import REPO, SPECS
 
 # Lowest first: a module may import modules of its own layer or of layers before it.
-# ``codegen.cli`` (the command line) is the top layer although it lives in codegen/:
-# the design card fixes the top-level folders and gives the CLI to codegen.
 LAYERS = (
     "dsl",
     "tune.store",
@@ -24,10 +22,12 @@ LAYERS = (
     "runtime.engine",
     "runtime.serve",
     "runtime.tools",
+    "compress",
     "tune",
-    "codegen.cli",
+    "bench",
+    "cli",
 )
-PACKAGES = ("dsl", "codegen", "runtime", "tune")
+PACKAGES = ("dsl", "codegen", "runtime", "compress", "tune", "bench", "cli")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -70,6 +70,68 @@ def test_imports_go_one_way():
     assert backwards == []
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports, at the top or inside a
+    function (``from pkg import name`` counts ``pkg.name`` when that is a module)."""
+    paths = {_module_name(p): p for p in _python_files(*PACKAGES)}
+
+    def owner(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {owner(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = [f"{node.module}.{a.name}" for a in node.names]
+                found |= {n if n in paths else owner(node.module) for n in named}
+        graph[module] = found - {None, module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_module_import_cycles_counting_imports_inside_functions():
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_the_runtime_calls_codegen_through_one_function():
     for path in _python_files("runtime"):
         for imported in _project_imports(path):
@@ -99,7 +161,7 @@ def test_generated_code_uses_only_the_kernel_primitives():
 
 def test_the_layer_rule_catches_a_backwards_import():
     assert _layer("dsl.plan") < _layer("codegen.generate") < _layer("runtime.engine.llm")
-    assert _layer("runtime.engine.llm") < _layer("tune.calibrate") < _layer("codegen.cli.run")
+    assert _layer("runtime.engine.llm") < _layer("tune.calibrate") < _layer("cli.run")
     assert _layer("tune.store") < _layer("codegen.families.context")
     assert _layer("runtime.model.layers") < _layer("runtime.engine.kv_cache")
 
@@ -123,20 +185,20 @@ def test_the_spec_is_parsed_once_when_an_engine_starts(tmp_path, monkeypatch):
     """``LLM(path, tp=...)`` reads the file once; the tp replacement, the plan, the
     generated folder and the rank (tp 1: in this process) all share that ``Spec``."""
     import dsl.load
-    from dsl import load_spec
+    from dsl import load_spec, with_tp
     from runtime.engine import LLM, SamplingParams
     from runtime.tools.random_checkpoint import write_random_checkpoint
 
     spec_path = SPECS / "tiny-llama.yaml"
-    checkpoint = write_random_checkpoint(load_spec(spec_path).with_tp(1), tmp_path / "ckpt", 0)
+    checkpoint = write_random_checkpoint(with_tp(load_spec(spec_path), 1), tmp_path / "ckpt", 0)
     calls = []
-    parse = dsl.load._Parser.spec
+    parse = dsl.load.SpecParser.spec
 
     def counting(self, raw, default_name):
         calls.append(default_name)
         return parse(self, raw, default_name)
 
-    monkeypatch.setattr(dsl.load._Parser, "spec", counting)
+    monkeypatch.setattr(dsl.load.SpecParser, "spec", counting)
     with LLM(spec_path, checkpoint, tp=1, mode="dense", kv_cache="dense") as llm:
         assert calls == ["tiny-llama"]
         (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -10,14 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from codegen.cli.main import main as cli
-from dsl import load_spec
-from dsl.errors import UserError
-from runtime.dist.emulated_link import namespaces
-from runtime.engine.runner_config import default_threads
-from runtime.tools.bench.link_report import link_markdown, link_plot
-from runtime.tools.bench.report import markdown, plots
-from runtime.tools.bench.runner import (
+from bench.link_planner import CostModelPlanner
+from bench.link_report import link_markdown, link_plot
+from bench.report import markdown, plots
+from bench.runner import (
     PRESETS,
     BenchConfig,
     _threads,
@@ -25,9 +21,13 @@ from runtime.tools.bench.runner import (
     run_bench,
     variants_of,
 )
+from cli.main import main as cli
+from dsl import load_spec
+from dsl.errors import UserError
+from runtime.dist.emulated_link import namespaces
+from runtime.engine.config import default_threads
 from tests.conftest import REPO, SPECS
 from tests.test_emulated_link import needs_netns
-from tune.link_planner import CostModelPlanner
 from tune.profiles import load_profile
 
 
@@ -295,7 +295,7 @@ class _FakeEngine:
 def test_lockstep_waits_out_spinning_threads_before_another_process_steps(monkeypatch):
     """A 2-thread step in this process is followed by the pause only when some engine's
     ranks run elsewhere (their cores are the ones the spinning threads would take)."""
-    from runtime.tools.bench import measure
+    from bench import measure
 
     cfg = replace(preset("cpu-smoke"), output_len=2, num_requests=1)
     round_with_ranks = ["t1", "t2", "pause", "ranks"]

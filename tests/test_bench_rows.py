@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from dsl import load_spec
-from runtime.tools.bench.report import markdown
-from runtime.tools.bench.runner import BenchConfig, _phases, run_bench, variants_of
+from bench.report import markdown
+from bench.runner import BenchConfig, _phases, run_bench, variants_of
+from dsl import load_spec, with_tp
 from tests.conftest import SPECS
 from tests.test_bench import _tiny_bench
 
@@ -17,7 +17,7 @@ from tests.test_bench import _tiny_bench
 def test_ratio_to_base_is_also_taken_within_each_repetition():
     """A machine that slows down between repetitions moves every row alike: the ratio
     within each repetition stays put where the ratio of medians would not."""
-    from runtime.tools.bench.ratios import add_ratios
+    from bench.ratios import add_ratios
 
     def row(mode: str, rates: list[float]) -> dict:
         return {
@@ -47,8 +47,8 @@ def test_ratio_to_base_is_also_taken_within_each_repetition():
 def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
     """Issue 10's latent aim is a step-time ratio: dense tok/s over latent tok/s of the
     same configuration, also within each repetition, and shown in the report."""
-    from runtime.tools.bench.ratios import add_ratios
-    from runtime.tools.bench.report import markdown
+    from bench.ratios import add_ratios
+    from bench.report import markdown
 
     def row(kv: str, ratio: float, rates: list[float]) -> dict:
         return {
@@ -87,7 +87,7 @@ def test_latent_rows_get_their_step_time_over_the_dense_kv_engine():
 def test_the_report_names_the_cpus_widest_vector_instructions():
     """Machines of one model name come with and without AVX-512 (the native kernels'
     speed differs), so the report says which."""
-    from runtime.tools.bench.variants import vector_isa
+    from bench.variants import vector_isa
 
     assert vector_isa({"sse4_2", "avx", "avx2", "avx512f", "amx_tile"}) == "AVX-512 + AMX"
     assert vector_isa({"sse4_2", "avx", "avx2", "fma"}) == "AVX2"
@@ -104,12 +104,12 @@ def test_the_report_names_the_cpus_widest_vector_instructions():
 def test_lockstep_runs_take_turns_and_time_each_engine_over_its_own_steps(tmp_path, monkeypatch):
     """Engines in lockstep take one step each in turn; each one's rates come from its
     own steps, and the greedy tokens are what it makes alone."""
+    from bench.measure import lockstep_runs, prompts_for
     from runtime.engine.llm import LLM
     from runtime.engine.sequence import SamplingParams
-    from runtime.tools.bench.measure import lockstep_runs, prompts_for
     from runtime.tools.random_checkpoint import write_random_checkpoint
 
-    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(1)
+    spec = with_tp(load_spec(SPECS / "tiny-llama.yaml"), 1)
     write_random_checkpoint(spec, tmp_path / "ck", 0)
     engines = [
         LLM(spec, tmp_path / "ck", mode="deinfer", kv_cache=kv) for kv in ("dense", "latent")
@@ -223,7 +223,7 @@ def test_tp1_thread_rows_run_at_their_own_thread_count_and_scaling_is_reported(m
 def test_the_report_says_how_much_cpu_time_the_hypervisor_took():
     """On a shared VM the same run drifts with the time other guests take (steal): the
     bench measures it over its whole run from /proc/stat's counters."""
-    from runtime.tools.bench.variants import cpu_times, steal_fraction
+    from bench.variants import cpu_times, steal_fraction
 
     stat = "cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\nintr 1\n"
     before = cpu_times(stat)
@@ -291,10 +291,10 @@ def test_a_rank_alone_row_times_rank_0s_own_work_beside_the_real_tp2_row(monkeyp
 
 
 def test_a_rank_alone_engine_refuses_a_link(tmp_path):
+    from bench.rank_alone import RankAloneLLM
     from dsl.errors import UserError
-    from runtime.tools.bench.rank_alone import RankAloneLLM
 
-    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(2)
+    spec = with_tp(load_spec(SPECS / "tiny-llama.yaml"), 2)
     with pytest.raises(UserError, match="a rank-alone engine has no link"):
         RankAloneLLM(spec, tmp_path / "ck", link="1gbit")
 
@@ -302,12 +302,12 @@ def test_a_rank_alone_engine_refuses_a_link(tmp_path):
 def test_a_rank_alone_engine_picks_the_up_layout_the_real_ranks_would(tmp_path):
     """``auto`` resolves as the real tp 2 ranks on this host resolve it: split where they
     would meet in shared memory, replicated when shared-memory collectives are off."""
+    from bench.rank_alone import RankAloneLLM
+    from dsl.plan import UP_REPLICATED, UP_SHARDED
     from runtime.dist.shm_collectives import supported
-    from runtime.engine.runner_config import UP_REPLICATED, UP_SHARDED
-    from runtime.tools.bench.rank_alone import RankAloneLLM
     from runtime.tools.random_checkpoint import write_random_checkpoint
 
-    spec = load_spec(SPECS / "tiny-llama.yaml").with_tp(2)
+    spec = with_tp(load_spec(SPECS / "tiny-llama.yaml"), 2)
     write_random_checkpoint(spec, tmp_path / "ck", 0)
     for shm, want in ((True, UP_SHARDED if supported() else UP_REPLICATED), (False, UP_REPLICATED)):
         llm = RankAloneLLM(spec, tmp_path / "ck", mode="deinfer", shm_collectives=shm)

@@ -11,11 +11,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from codegen.cli.main import main as cli
+from cli.main import main as cli
+from compress.decompose import svd_factors
 from dsl import build_plan, load_spec, parse_spec
 from runtime.model.checkpoint import CheckpointError, CheckpointReader, expected_tensors, validate
 from runtime.model.weights import load_rank_weights
-from runtime.tools.decompose import svd_factors
 from tests.conftest import REPO
 from tests.hf_models import TINY_LLAMA, build_hf, decompose_with_cli
 
@@ -136,7 +136,7 @@ def test_spec_that_does_not_match_the_model_is_rejected(decomposed, tmp_path):
         [
             sys.executable,
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "decompose",
             "--model",
             str(decomposed / "dense"),

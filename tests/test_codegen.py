@@ -40,7 +40,7 @@ def test_main_command_writes_folder_with_summary(tmp_path):
     shutil.copytree(SPECS, tmp_path / "specs")
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "codegen.cli.main", "gen", "specs/llama3-70b-r40.yaml"],
+        [sys.executable, "-m", "cli.main", "gen", "specs/llama3-70b-r40.yaml"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -14,12 +14,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from codegen.cli.main import main as cli
+from cli.main import main as cli
+from compress.decompose import model_section
 from dsl import load_spec
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
 from runtime.model.checkpoint import CheckpointReader, validate
-from runtime.tools.decompose import model_section
 from runtime.tools.hf_reference import dense_state, load_transformers
 from tests.hf_models import build_hf, decompose_with_cli
 
@@ -105,8 +105,8 @@ def test_data_aware_methods_fit_the_calibration_outputs_better_than_plain_svd(de
     plain SVD's (it is the optimum in that norm)."""
     import transformers
 
-    from runtime.tools.compress.calibration import collect_input_stats, sample_sequences
-    from runtime.tools.compress.factorize import factorize
+    from compress.calibration import collect_input_stats, sample_sequences
+    from compress.factorize import factorize
 
     spec = load_spec(_spec(dense, tmp_path / "spec.yaml", 0.5))
     model = transformers.AutoModelForCausalLM.from_pretrained(dense).eval()
@@ -154,7 +154,7 @@ def test_allocate_writes_a_spec_at_the_same_parameter_count(dense, tmp_path):
 
 def _factors(dense: Path, ratio: float):
     """Per projection: (module path, Vᵀ-like [r, in], U-like [out, r]) of a plain SVD."""
-    from runtime.tools.compress.factorize import factorize
+    from compress.factorize import factorize
 
     reader = CheckpointReader(dense)
     out = {}
@@ -202,7 +202,7 @@ def _write_layout(dense: Path, fmt: str, src: Path) -> dict[str, torch.Tensor]:
             group_ranks = [3, 5][: len(groups)]
             vts, us = [], []
             for g, (wg, r) in enumerate(zip(groups, group_ranks, strict=True)):
-                from runtime.tools.compress.factorize import factorize
+                from compress.factorize import factorize
 
                 d, uu = factorize(wg.t(), r, "svd")
                 vts.append(d.t())
@@ -318,7 +318,7 @@ def test_bad_calibration_input_fails_in_one_line(dense, tmp_path, capsys):
 
 
 def test_metrics_against_hand_computation():
-    from runtime.tools.compress.fidelity import divergence, perplexity
+    from compress.fidelity import divergence, perplexity
 
     p = torch.log_softmax(torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]), -1)
     q = torch.log_softmax(torch.tensor([[1.0, 1.5, -1.0], [0.0, 2.0, 0.0]]), -1)
@@ -348,7 +348,7 @@ def test_score_equals_transformers_log_probabilities_at_tp2(dense, tmp_path):
 
 def test_eval_of_a_full_rank_checkpoint_matches_the_dense_model(dense, tmp_path):
     """At full rank the products are the dense weights: KL ≈ 0, top-1 = 1, same text."""
-    from runtime.tools.compress.fidelity import EvalConfig, dense_reference, evaluate
+    from compress.fidelity import EvalConfig, dense_reference, evaluate
 
     spec_path = _spec(dense, tmp_path / "spec.yaml", 0.0)
     decompose_with_cli(dense, spec_path, tmp_path / "ck")

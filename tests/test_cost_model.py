@@ -138,7 +138,7 @@ def test_table5_fits_one_figure_and_predicts_the_others():
 
 
 def test_predict_cli_prints_modes_and_choices_and_rejects_bad_input():
-    cmd = [sys.executable, "-m", "codegen.cli.main", "predict"]
+    cmd = [sys.executable, "-m", "cli.main", "predict"]
     out = subprocess.run(
         [
             *cmd,

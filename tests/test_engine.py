@@ -160,7 +160,7 @@ def test_deinfer_run_cli_at_tp2(model):
         [
             sys.executable,
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "run",
             "--spec",
             str(spec_path),
@@ -194,7 +194,7 @@ def test_deinfer_run_under_torchrun(model):
             "--nproc-per-node",
             "2",
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "run",
             "--spec",
             str(spec_path),

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.tools.compress.allocate import allocate_ranks, uniform_budget
-from runtime.tools.compress.factorize import InputStats, factorize, spectrum, whitening_from_gram
+from compress.allocate import allocate_ranks, uniform_budget
+from compress.factorize import InputStats, factorize, spectrum, whitening_from_gram
 
 REL = 1e-4
 

@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from codegen.generate import generate, write_atomically
-from dsl import parse_spec
+from dsl import build_plan, parse_spec
+from runtime.engine.config import EngineOptions, RunnerConfig, resolve
 from runtime.engine.model_runner import ModelRunner, SeqInput
-from runtime.engine.runner_config import RunnerConfig
 from runtime.engine.sequence import SamplingParams
 from tests.hf_models import TINY_LLAMA, TINY_RANKS, make_decomposed
 
@@ -52,20 +52,11 @@ def runner_factory(tmp_path_factory):
     write_atomically(generate(spec).files, tmp / "gen")
 
     def make(kv: str, backend: str) -> ModelRunner:
-        return ModelRunner(
-            0,
-            1,
-            RunnerConfig(
-                spec,
-                str(tmp / "gen"),
-                str(ckpt),
-                "deinfer",
-                backend,
-                kv,
-                num_blocks=16,
-                cuda_graphs=False,
-            ),
-        )
+        options = EngineOptions(path="static", backend=backend, kv_cache=kv, cuda_graphs=False)
+        facts = resolve(options, spec)
+        plan = build_plan(spec, modes=("deinfer",), up_layout=facts.up_layout).modes["deinfer"]
+        config = RunnerConfig(spec, plan, str(tmp / "gen"), str(ckpt), 16, options, facts)
+        return ModelRunner(0, 1, config)
 
     return make
 
@@ -88,7 +79,7 @@ def test_decode_step_trace_is_static_and_sync_free(runner_factory, kv, backend):
     ):
         static = runner.static
         bucket = static.bucket_for(len(step_seqs))
-        static.prepare(step_seqs, bucket, runner._slot)  # host side, outside the graph
+        static.prepare(step_seqs, bucket, runner.attention.slot)  # host side, outside the graph
         with Trace() as trace:
             static.step(bucket)
         traces.append(trace.ops)

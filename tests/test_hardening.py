@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from codegen.cli.main import gen_main
+from cli.main import gen_main
 from codegen.folder import stale_files
 from codegen.generate import generate
 from dsl import parse_spec
@@ -125,7 +125,7 @@ def test_killing_gen_never_leaves_the_folder_missing_or_mixed(tmp_path):
     write_atomically(outputs[0], out)
     rng = random.Random(0)
     for i in range(6):
-        cmd = [sys.executable, "-m", "codegen.cli.main", "gen", str((first, second)[i % 2])]
+        cmd = [sys.executable, "-m", "cli.main", "gen", str((first, second)[i % 2])]
         proc = subprocess.Popen([*cmd, "--out", str(out)], cwd=REPO, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.5, 4.0))
         proc.kill()

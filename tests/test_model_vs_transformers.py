@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
+from compress.decompose import model_section
 from dsl import build_plan, parse_spec
 from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
-from runtime.tools.decompose import model_section
 from tests.conftest import TP_EXAMPLES
 from tests.hf_models import FAMILIES, build_hf, decompose_with_cli, hf_configs, load_products
 from tests.strategies import matrix_limits

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from codegen.cli.main import main as cli
+from cli.main import main as cli
+from compress.decompose import model_section
+from compress.output import OWNER_FILE
 from dsl import load_spec
 from dsl.errors import UserError
 from runtime.model.checkpoint import CheckpointReader, validate
-from runtime.tools.compress.output import OWNER_FILE
-from runtime.tools.decompose import model_section
 from tests.conftest import REPO
 from tests.hardening import one_line
 from tests.hf_models import TINY_LLAMA, build_hf
@@ -121,7 +121,7 @@ def test_killed_writers_leave_the_target_whole_and_the_next_run_cleans_up(dense,
     rng = random.Random(1)
     for i in range(6):
         which = (spec, other)[i % 2]
-        cmd = [sys.executable, "-m", "codegen.cli.main", "decompose", "--model", str(model)]
+        cmd = [sys.executable, "-m", "cli.main", "decompose", "--model", str(model)]
         cmd += ["--spec", str(which), "--out", str(out), "--quiet"]
         proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         time.sleep(rng.uniform(1.0, 6.0))

@@ -346,7 +346,7 @@ def test_comm_units_are_layer_means_of_the_collectives(raw):
 
 
 def test_cli_plan_json_top_level(capsys):
-    from codegen.cli.main import main
+    from cli.main import main
 
     assert main(["plan", str(SPECS / "llama3-70b-r40.yaml"), "--tp", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -58,7 +58,7 @@ def test_a_killed_rank_is_the_one_named(model):
 # background (``nohup ... &``) hands every child an ignored SIGINT, which Python keeps.
 AS_FROM_A_TERMINAL = (
     "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "runpy.run_module('codegen.cli.main', run_name='__main__', alter_sys=True)"
+    "runpy.run_module('cli.main', run_name='__main__', alter_sys=True)"
 )
 
 

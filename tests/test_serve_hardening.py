@@ -272,7 +272,7 @@ def test_a_busy_port_fails_in_one_line_before_loading(checkpoint):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "codegen.cli.main", "serve", "--spec", str(spec)]
+        cmd = [sys.executable, "-m", "cli.main", "serve", "--spec", str(spec)]
         cmd += ["--checkpoint", str(ckpt), "--port", str(port)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codegen.cli.main import main as cli
+from cli.main import main as cli
 from dsl import load_spec
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams

@@ -162,7 +162,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     cases["missing field"] = (missing, "model.hidden_size: missing required field")
     for label, (path, message) in cases.items():
         proc = subprocess.run(
-            [sys.executable, "-m", "codegen.cli.main", "plan", str(path)],
+            [sys.executable, "-m", "cli.main", "plan", str(path)],
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -180,7 +180,7 @@ def test_cli_tp_override_is_validated():
         [
             sys.executable,
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "plan",
             str(SPECS / "tiny-llama.yaml"),
             "--tp",

@@ -137,7 +137,7 @@ def test_dry_run_lists_space_and_files():
         [
             sys.executable,
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "tune",
             str(SPECS / "llama3-70b-r40.yaml"),
             "--dry-run",
@@ -156,7 +156,7 @@ def test_dry_run_lists_space_and_files():
         [
             sys.executable,
             "-m",
-            "codegen.cli.main",
+            "cli.main",
             "tune",
             str(SPECS / "tiny-llama.yaml"),
             "--device-name",

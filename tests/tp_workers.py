@@ -9,8 +9,9 @@ from dsl import build_plan, parse_spec
 from dsl.plan import UP_REPLICATED
 from runtime.dist.comm import Comm
 from runtime.kernels.loader import load_generated
+from runtime.model.execution import execution_for
 from runtime.model.layer_modes import LAYER_CLASSES
-from runtime.model.layers import Batch, LayerSetup
+from runtime.model.layers import LayerSetup
 from runtime.model.rope import inv_freq
 from runtime.model.shard import DictSource, shard_layer
 
@@ -56,11 +57,9 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
         plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         captured: list = []
-        batch = Batch(
-            positions=positions,
-            n_valid=torch.tensor([x.shape[0]], dtype=torch.int32),
-            attention=causal_attention(captured),
-        )
+        execution = execution_for(spec.model, registry, backend)
+        n_valid = torch.tensor([x.shape[0]], dtype=torch.int32)
+        batch = execution.batch(positions, n_valid, causal_attention(captured), freqs)
         h = x.clone()
         for index, layer_ranks in enumerate(spec.decomposition.layers):
             lp = plan.modes[mode].layer_plan(layer_ranks)
@@ -72,11 +71,10 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
                 plan=lp,
                 rank=rank,
                 comm=comm,
-                kernels=registry,
-                backend=backend,
+                execution=execution,
                 inv_freq=freqs,
             )
-            h = LAYER_CLASSES[mode](setup, index, weights)(h, batch)
+            h = LAYER_CLASSES[mode](setup, index, weights).forward(h, batch)
         elements = {kind: s.elements for kind, s in comm.stats.by_kind.items()}
         results[run] = (h, elements, captured)
     return results
@@ -128,7 +126,6 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
     """Logits of the packed ``prompts`` for each (mode, backend[, up layout[,
     "released"]]), with comm counts; "released": the eager model with every matrix it
     multiplies only whole kept in the panel form alone (``TPModel.release_matrices``)."""
-    from runtime.model.attention import packed_causal_attention
     from runtime.model.transformer import TPModel
     from runtime.model.weights import load_rank_weights
 
@@ -145,19 +142,18 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         plan = build_plan(spec, tp=world, up_layout=layout)
         comm = Comm(count=True)
         weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)
-        model = TPModel(spec, plan.modes[mode], rank, comm, registry, backend, weights)
+        execution = execution_for(spec.model, registry, backend)
+        model = TPModel(spec, plan.modes[mode], rank, comm, execution, weights)
         if backend == "eager":
             model.prepare_eager()
         if "released" in run[3:]:
             gemm = panel_only_gemm(model.matrices())
             assert model.release_matrices(gemm.release) > 0
-            model.use_gemm(gemm)
-        batch = Batch(
-            positions=positions,
-            n_valid=torch.tensor([len(ids)], dtype=torch.int32),
-            attention=packed_causal_attention(cu),
-        )
-        logits = model.logits(model(ids, positions, batch))
+            execution.use(gemm)
+        n_valid = torch.tensor([len(ids)], dtype=torch.int32)
+        attention = packed_causal_attention(cu)
+        batch = execution.batch(positions, n_valid, attention, model.inv_freq)
+        logits = model.logits(model.forward(ids, positions, batch))
         results[run] = (logits, {k: s.elements for k, s in comm.stats.by_kind.items()})
     return results
 
@@ -252,3 +248,23 @@ def shm_all_gather(rank, world, cases, seed):
         out.append(same and sorted(arrived) == list(range(world)))
     comm.shm.close()
     return out
+
+
+def packed_causal_attention(cu_seqlens: list[int]):
+    """An attention callback for ``runtime.model.layers.Batch`` over a packed batch of
+    whole sequences (no cache): tokens of sequence i are rows cu_seqlens[i]:cu_seqlens[i+1]
+    of q, k, v, causal within each."""
+    import itertools
+
+    from runtime.model.eager_attention import causal_attention
+
+    def attention(index, q, k, v, latent):
+        out = q.new_empty(q.shape)
+        scale = q.shape[-1] ** -0.5
+        for start, stop in itertools.pairwise(cu_seqlens):
+            out[start:stop] = causal_attention(
+                q[start:stop], k[start:stop], v[start:stop], 0, scale
+            )
+        return out
+
+    return attention

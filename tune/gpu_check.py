@@ -99,21 +99,18 @@ def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda")
 
 def graph_checks(tmp: Path) -> dict:
     """Greedy tokens with and without CUDA graphs (bf16), and decode-step timing."""
-    from dsl import load_spec
+    from compress.demo import make_demo
+    from dsl import load_spec, with_runtime, with_tp
     from runtime.engine.llm import LLM
     from runtime.engine.sequence import SamplingParams
-    from runtime.tools.demo import make_demo
 
     spec_path, ckpt = make_demo(tmp)
-    bf16 = (
-        load_spec(spec_path)
-        .with_tp(1)
-        .with_runtime(
-            dtype="bfloat16",
-            max_batch_size=16,
-            max_seq_len=128,
-            cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
-        )
+    bf16 = with_runtime(
+        with_tp(load_spec(spec_path), 1),
+        dtype="bfloat16",
+        max_batch_size=16,
+        max_seq_len=128,
+        cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
     )
     prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
     params = SamplingParams(max_tokens=32)

@@ -41,25 +41,6 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
-def available(world: int) -> bool:
-    """True when every rank of the default group runs on this host and this host
-    ``supported`` them (a collective: every rank must call it)."""
-    if world < 2 or not supported():
-        return False
-    here = (socket.gethostname(), _boot_id())
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, here)
-    return all(h == here for h in hosts)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class SharedMemoryCollectives:
     """Sum, or gather, of CPU tensors of at most ``capacity`` bytes over the default
     group's ranks. Both collectives share one call sequence (and the slots)."""

@@ -1,4 +1,4 @@
-"""The engine API: ``LLM(spec, checkpoint, tp, mode, backend).generate(prompts, params)``.
+"""The engine API: ``LLM(spec, checkpoint, tp=2, mode="deinfer").generate(prompts, params)``.
 
 The driver (this process) owns the scheduler and the block manager; each tensor-parallel
 rank owns a ``ModelRunner`` (in worker processes for tp > 1, here for tp 1). A step
@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +20,19 @@ import torch
 import torch.distributed as dist
 
 from codegen import generated_folder
-from dsl import Spec, build_plan, load_spec
+from dsl import Spec, build_plan, load_spec, with_tp
 from dsl.errors import UserError
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.failures import CallFailed
-from runtime.dist.launcher import HEARTBEAT_S, WorkerGroup, init_from_env, under_torchrun
+from runtime.dist.launcher import WorkerGroup, init_from_env, under_torchrun
 from runtime.dist.local_worker import LocalWorker
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.config import EngineFacts, EngineOptions, RunnerConfig, resolve
 from runtime.engine.kv_cache import bytes_per_block
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.outputs import RequestOutput, StepFailed, StreamEvent
 from runtime.engine.request_checks import check_params, encode_prompt
-from runtime.engine.runner_config import (
-    RunnerConfig,
-    backend_for,
-    check_choices,
-    default_path,
-    default_threads,
-)
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.engine.step_io import SeqInput
@@ -52,92 +47,49 @@ def _run_runner(rank: int, world: int, config: RunnerConfig) -> ModelRunner:
 
 class LLM:
     """The engine. ``spec`` is a parsed ``Spec`` or the path of a spec file (read once);
-    ``tp`` replaces the spec's TP degree."""
+    ``options`` (``EngineOptions``) says how to run it, and keyword arguments replace
+    single fields of it: ``LLM(spec, ckpt, tp=2, mode="dense")``."""
 
     def __init__(
         self,
         spec: Spec | str | Path,
         checkpoint: str | Path,
-        tp: int | None = None,
-        mode: str = "deinfer",
-        backend: str | None = None,
-        kv_cache: str | None = None,
-        num_blocks: int | None = None,
-        kv_memory_bytes: int = 256 << 20,
-        cuda_graphs: bool = True,
-        generated_root: str | Path = "generated",
-        timeout_s: float = 600.0,
-        comm_stats: str = "off",
-        overlap: bool = True,
-        overlap_min_rows: int = 0,
-        path: str | None = None,
-        threads: int | None = None,
-        prefill_chunk: int = 512,
-        shm_collectives: bool = True,
-        tune_gemm: bool = True,
-        pack_weights: bool = True,
-        up_layout: str = "auto",
-        link: LinkSpec | str | None = None,
-        heartbeat_s: float = HEARTBEAT_S,
-        allow_extreme_weights: bool = False,
+        options: EngineOptions | None = None,
+        **changes: Any,
     ) -> None:
+        options = replace(options or EngineOptions(), **changes)
         spec = spec if isinstance(spec, Spec) else load_spec(spec)
-        self.spec = spec if tp is None else spec.with_tp(tp)
-        kv = kv_cache or self.spec.runtime.kv_cache
-        check_choices(mode, path, kv, up_layout)
-        self.path = path or default_path()
-        self.backend = backend_for(backend, self.path)
-        self.plan = build_plan(self.spec, modes=(mode,)).modes[mode]
-        self.blocks, self.scheduler = self._scheduler(num_blocks, kv, kv_memory_bytes)
-        self.link = LinkSpec.parse(link) if isinstance(link, str) else link
-        self.threads = threads or default_threads(self.spec.parallel.tp)
-        config = self._runner_config(
-            Path(generated_root),
-            str(checkpoint),
-            mode,
-            kv,
-            cuda_graphs=cuda_graphs,
-            comm_stats=comm_stats,
-            overlap=overlap,
-            overlap_min_rows=overlap_min_rows,
-            prefill_chunk=prefill_chunk,
-            # with an emulated link every collective must cross it
-            shm_collectives=shm_collectives and self.link is None,
-            tune_gemm=tune_gemm,
-            pack_weights=pack_weights,
-            up_layout=up_layout,
-            allow_extreme_weights=allow_extreme_weights,
+        self.spec = spec if options.tp is None else with_tp(spec, options.tp)
+        self.options, self.facts = options, self._resolve(options)
+        self.link = self.facts.link  # set_link reshapes it
+        mode = options.mode
+        self.plan = build_plan(self.spec, modes=(mode,), up_layout=self.facts.up_layout).modes[mode]
+        self.blocks, self.scheduler = self._scheduler()
+        config = RunnerConfig(
+            spec=self.spec,
+            plan=self.plan,
+            generated=str(generated_folder(self.spec, Path(options.generated_root))),
+            checkpoint=str(checkpoint),
+            num_blocks=self.blocks.num_blocks,
+            options=options,
+            facts=self.facts,
         )
         # Before any rank starts: a bad tokenizer must not leave ranks behind.
         self.tokenizer = self._tokenizer(Path(checkpoint), self.spec.model.vocab_size)
         self._owns_group = False
-        self.workers = self._start_workers(config, timeout_s, heartbeat_s)
+        self.workers = self._start_workers(config)
         self._next_id = 0
 
-    def _runner_config(
-        self, generated_root: Path, checkpoint: str, mode: str, kv: str, **options: Any
-    ) -> RunnerConfig:
-        """What every rank runs: what this engine resolved, plus ``options`` as given."""
-        return RunnerConfig(
-            spec=self.spec,
-            generated=str(generated_folder(self.spec, generated_root)),
-            checkpoint=checkpoint,
-            mode=mode,
-            backend=self.backend,
-            kv_cache=kv,
-            num_blocks=self.blocks.num_blocks,
-            path=self.path,
-            threads=self.threads,
-            **options,
-        )
+    def _resolve(self, options: EngineOptions) -> EngineFacts:
+        """What ``options`` come to for this engine's spec on this machine."""
+        return resolve(options, self.spec)
 
-    def _scheduler(
-        self, num_blocks: int | None, kv: str, kv_memory_bytes: int
-    ) -> tuple[BlockManager, Scheduler]:
+    def _scheduler(self) -> tuple[BlockManager, Scheduler]:
         """A pool of ``num_blocks`` (default: what ``kv_memory_bytes`` holds); its scheduler."""
         rt = self.spec.runtime
-        if num_blocks is None:
-            num_blocks = self._blocks_for_budget(kv, kv_memory_bytes)
+        num_blocks = self.options.num_blocks or self._blocks_for_budget(
+            self.facts.kv_cache, self.options.kv_memory_bytes
+        )
         blocks = BlockManager(num_blocks, rt.block_size)
         config = SchedulerConfig(
             max_batch_size=rt.max_batch_size,
@@ -146,8 +98,8 @@ class LLM:
         )
         return blocks, Scheduler(config, blocks)
 
-    def _start_workers(self, config: RunnerConfig, timeout_s: float, heartbeat_s: float):
-        tp_size = self.spec.parallel.tp
+    def _start_workers(self, config: RunnerConfig):
+        tp_size, timeout_s = self.spec.parallel.tp, self.options.timeout_s
         init = (_run_runner, (config,))
         if under_torchrun():
             # Every rank runs this driver; the scheduler is deterministic and every rank
@@ -163,14 +115,18 @@ class LLM:
         if tp_size == 1:
             return LocalWorker(init)
         return WorkerGroup(
-            tp_size, timeout_s=timeout_s, init=init, link=self.link, heartbeat_s=heartbeat_s
+            tp_size,
+            timeout_s=timeout_s,
+            init=init,
+            link=self.link,
+            heartbeat_s=self.options.heartbeat_s,
         )
 
     def describe_path(self) -> str:
         """e.g. "dynamic path (eager kernels), 2 threads per rank"."""
-        kernels = "eager" if self.path == "dynamic" else self.backend
-        threads = f"{self.threads} thread{'' if self.threads == 1 else 's'} per rank"
-        text = f"{self.path} path ({kernels} kernels), {threads}"
+        facts = self.facts
+        threads = f"{facts.threads} thread{'' if facts.threads == 1 else 's'} per rank"
+        text = f"{facts.path} path ({facts.kernels} kernels), {threads}"
         probe = getattr(self.workers, "link_probe", None)
         if self.link is not None and probe:
             text += (

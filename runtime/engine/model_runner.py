@@ -9,13 +9,12 @@ import time
 
 import torch
 
-from dsl import build_plan
 from dsl.plan import ModePlan
 from runtime.dist.comm import Comm
 from runtime.dist.shm_collectives import SharedMemoryCollectives
-from runtime.dist.shm_collectives import available as shm_available
+from runtime.engine.cache_attention import CacheAttention
+from runtime.engine.config import RunnerConfig
 from runtime.engine.kv_cache import allocate
-from runtime.engine.runner_config import PATHS, RunnerConfig, up_layout_for
 from runtime.engine.sampling import (
     TokenLogprobs,
     adjusted,
@@ -27,19 +26,10 @@ from runtime.engine.sampling import (
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.engine.step_io import Piece, Sampled, SeqInput, prefill_chunks
 from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
-from runtime.kernels.eager import rope_tables
 from runtime.kernels.huge_pages import return_freed_heap
 from runtime.kernels.loader import load_generated
-from runtime.model.eager_attention import (
-    CacheContext,
-    LatentFactors,
-    cache_context,
-    causal_attention,
-    decode_dense,
-    decode_latent,
-    gather,
-)
-from runtime.model.layers import Batch
+from runtime.model.eager_attention import LatentFactors
+from runtime.model.execution import execution_for
 from runtime.model.paged_cache import LayerCache
 from runtime.model.transformer import TPModel
 from runtime.model.weights import load_rank_weights
@@ -49,13 +39,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 class ModelRunner:
     def __init__(self, rank: int, world: int, config: RunnerConfig) -> None:
-        if config.path not in PATHS:
-            raise ValueError(f"path must be one of {', '.join(PATHS)}, found {config.path!r}")
         if config.spec.parallel.tp != world:
             raise ValueError(f"the spec is planned for tp {config.spec.parallel.tp}, not {world}")
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        torch.set_num_threads(config.facts.threads)
         self.rank, self.config, self.spec = rank, config, config.spec
+        self.options, self.facts = config.options, config.facts
         self.gemm = CpuGemm()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -64,13 +52,12 @@ class ModelRunner:
         )
         self.registry = load_generated(config.generated).KERNELS
         self.comm = self._comm(rank, world)
-        layout = up_layout_for(config.up_layout, self.comm)
-        mode_plan = build_plan(self.spec, modes=(config.mode,), up_layout=layout).modes[config.mode]
+        mode_plan = config.plan
         self.up_layout = mode_plan.up_layout  # replicated wherever nothing is split
         self.model = self._model(mode_plan)
         return_freed_heap()  # the checkpoint's slices and the eager layout's copies
         self.layer_plans = [mode_plan.layer_plan(r) for r in self.spec.decomposition.layers]
-        self.kinds = [lp.cache_kind(config.kv_cache) for lp in self.layer_plans]
+        self.kinds = [lp.cache_kind(self.facts.kv_cache) for lp in self.layer_plans]
         rt, m = self.spec.runtime, self.spec.model
         self.block_size = rt.block_size
         self.scale = m.head_dim**-0.5
@@ -87,45 +74,53 @@ class ModelRunner:
         self.latent_factors = {
             i: self._latent_factors(i) for i, kind in enumerate(self.kinds) if kind == "latent"
         }
+        self.attention = CacheAttention(
+            self.caches,
+            self.latent_factors,
+            rt.block_size,
+            self.scale,
+            self.inv_freq,
+            m.positions.style,
+            self.device,
+        )
         self.generators: dict[int, torch.Generator] = {}
         self.output_counts: dict[int, dict[int, int]] = {}  # penalised sequences' tokens
-        self.static = self._static_decoder(mode_plan) if config.path == "static" else None
+        self.static = self._static_decoder(mode_plan) if self.facts.static else None
 
     def _comm(self, rank: int, world: int) -> Comm:
-        config = self.config
-        comm = Comm(count=config.comm_stats != "off", timed=config.comm_stats == "timed")
-        comm.overlap = config.overlap
-        cpu_group = world > 1 and self.device.type == "cpu"
-        if config.shm_collectives and cpu_group and shm_available(world):
+        options = self.options
+        comm = Comm(count=options.comm_stats != "off", timed=options.comm_stats == "timed")
+        comm.overlap = options.overlap
+        if self.facts.shm_collectives:
             comm.shm = SharedMemoryCollectives(rank, world, capacity=4 << 20)
         return comm
 
     def _model(self, mode_plan: ModePlan) -> TPModel:
-        config, spec = self.config, self.spec
+        options, facts, spec = self.options, self.facts, self.spec
         weights = load_rank_weights(
-            config.checkpoint,
+            self.config.checkpoint,
             spec,
             mode_plan,
             self.rank,
             DTYPES[spec.runtime.dtype],
-            kv_cache=config.kv_cache,
-            allow_extreme=config.allow_extreme_weights,
+            kv_cache=facts.kv_cache,
+            allow_extreme=options.allow_extreme_weights,
         )
-        backend = config.backend if config.path == "static" else "eager"
+        self.execution = execution_for(spec.model, self.registry, facts.kernels)
         model = TPModel(
-            spec, mode_plan, self.rank, self.comm, self.registry, backend, weights, config.kv_cache
+            spec, mode_plan, self.rank, self.comm, self.execution, weights, facts.kv_cache
         )
         model = model.to(self.device)
-        if config.path == "dynamic":
+        if not facts.static:
             model.prepare_eager()
-            if config.tune_gemm and self.device.type == "cpu":
-                timings = time_cpu_gemm(model.matrices(), packing=config.pack_weights)
+            if options.tune_gemm and self.device.type == "cpu":
+                timings = time_cpu_gemm(model.matrices(), packing=options.pack_weights)
                 timings = sum_over_ranks(timings, self.comm.group)
                 self.gemm = choose(timings)
                 self.gemm.pack(model.matrices())
                 # a matrix multiplied only in its reordered form is kept in that form alone
                 model.release_matrices(self.gemm.release)
-                model.use_gemm(self.gemm)
+                self.execution.use(self.gemm)
         return model
 
     def _static_decoder(self, mode_plan: ModePlan) -> StaticDecoder:
@@ -138,9 +133,9 @@ class ModelRunner:
             num_blocks=self.config.num_blocks,
             buckets=buckets,
         )
-        widths = mode_plan.latent_widths(self.config.kv_cache)
-        static = StaticDecoder(self.model, self.caches, widths, shapes, self.config.backend)
-        if self.config.cuda_graphs and self.device.type == "cuda":
+        widths = mode_plan.latent_widths(self.facts.kv_cache)
+        static = StaticDecoder(self.model, self.caches, widths, shapes)
+        if self.options.cuda_graphs and self.device.type == "cuda":
             static.capture_graphs(self.comm)
         return static
 
@@ -163,10 +158,6 @@ class ModelRunner:
 
     # --- prefill ---------------------------------------------------------------------
 
-    def _slot(self, table: list[int], position: int) -> int:
-        return table[position // self.block_size] * self.block_size + position % self.block_size
-
-    @torch.inference_mode()
     def prefill(self, seqs: list[SeqInput]) -> Sampled:
         """Whole prompts, batched, in chunks of at most ``prefill_chunk`` tokens; a chunk
         that continues a prompt attends to the part already in the cache."""
@@ -174,7 +165,7 @@ class ModelRunner:
         scored: dict[int, list[TokenLogprobs | None]] = {
             i: [None] for i, s in enumerate(seqs) if s.prompt_logprobs
         }
-        for chunk in prefill_chunks([s.length for s in seqs], self.config.prefill_chunk):
+        for chunk in prefill_chunks([s.length for s in seqs], self.options.prefill_chunk):
             hidden = self._prefill_chunk(seqs, chunk)
             row = 0
             for piece in chunk:
@@ -206,102 +197,33 @@ class ModelRunner:
         positions: one prefill whose every row goes through the LM head."""
         hidden = [
             self._prefill_chunk([seq], chunk)
-            for chunk in prefill_chunks([seq.length], self.config.prefill_chunk)
+            for chunk in prefill_chunks([seq.length], self.options.prefill_chunk)
         ]
         return torch.log_softmax(self.model.logits(torch.cat(hidden)).float(), dim=-1)
 
     def _prefill_chunk(self, seqs: list[SeqInput], chunk: list[Piece]) -> torch.Tensor:
-        ids, positions, slots = [], [], []
-        for piece in chunk:
-            s = seqs[piece.seq]
-            ids += s.tokens[piece.start : piece.stop]
-            positions += range(piece.start, piece.stop)
-            slots += [self._slot(s.block_table, p) for p in range(piece.start, piece.stop)]
+        ids = [t for p in chunk for t in seqs[p.seq].tokens[p.start : p.stop]]
+        positions = [i for p in chunk for i in range(p.start, p.stop)]
         dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int32, device=dev)
-        contexts = {
-            i: cache_context(
-                [seqs[p.seq].block_table],
-                [p.stop],
-                self.block_size,
-                self.inv_freq,
-                dev,
-                self.spec.model.positions.style,
-            )
-            for i, p in enumerate(chunk)
-            if p.start
-        }
-
-        def attention(index, q, k, v, latent):
-            cache = self.caches[index]
-            cache.write(slot_t, k, v, latent)
-            out, row = torch.empty_like(q), 0
-            for i, p in enumerate(chunk):
-                rows = slice(row, row + p.stop - p.start)
-                row = rows.stop
-                if i in contexts:  # keys 0..stop-1 from the cache, this chunk's included
-                    k_ctx, v_ctx = self._cached_kv(index, contexts[i])
-                else:
-                    k_ctx, v_ctx = k[rows], v[rows]
-                out[rows] = causal_attention(q[rows], k_ctx, v_ctx, p.start, self.scale)
-            return out
-
         n = torch.tensor([len(ids)], dtype=torch.int32, device=dev)
-        batch = Batch(pos_t, n, attention, self._rope_angles(pos_t))
-        return self.model(torch.tensor(ids, dtype=torch.int32, device=dev), pos_t, batch)
-
-    def _cached_kv(self, index: int, ctx: CacheContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [L, kv_heads, head_dim] of one sequence's cached tokens."""
-        cache, slots = self.caches[index], ctx.slots[0]
-        if cache.kind == "dense":
-            return gather(cache.k, slots), gather(cache.v, slots)
-        f = self.latent_factors[index]
-        z = gather(cache.latent, slots)
-        return f.keys(z[:, : f.r_k], ctx.cos, ctx.sin), f.values(z[:, f.r_k :])
-
-    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``Batch.rope_angles``: the eager path's tables [T, 1, head_dim]."""
-        if self.static is not None or self.inv_freq is None:
-            return None
-        cos, sin = rope_tables(positions, self.inv_freq, self.spec.model.positions.style)
-        return cos[:, None, :], sin[:, None, :]
+        attention = self.attention.prefill(seqs, chunk)
+        batch = self.execution.batch(pos_t, n, attention, self.inv_freq)
+        return self.model.forward(torch.tensor(ids, dtype=torch.int32, device=dev), pos_t, batch)
 
     # --- decode ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def decode(self, seqs: list[SeqInput]) -> Sampled:
+        """One new token per sequence: the static path's step (fixed shapes, a CUDA graph
+        per bucket), or one at the batch's real shapes."""
         if self.static is not None:
-            return self._sample(seqs, self.static.decode(seqs, self._slot))
-        return self._sample(seqs, self._decode_dynamic(seqs))
-
-    def _decode_dynamic(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """One decode step at the batch's real shapes (the CPU path)."""
+            return self._sample(seqs, self.static.decode(seqs, self.attention.slot))
         dev = self.device
         ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int32, device=dev)
         pos = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int32, device=dev)
-        slots = torch.tensor(
-            [self._slot(s.block_table, s.length - 1) for s in seqs], dtype=torch.long, device=dev
-        )
-        ctx = cache_context(
-            [s.block_table for s in seqs],
-            [s.length for s in seqs],
-            self.block_size,
-            self.inv_freq,
-            dev,
-            self.spec.model.positions.style,
-        )
-
-        def attention(index, q, k, v, latent):
-            cache = self.caches[index]
-            cache.write(slots, k, v, latent)
-            if cache.kind == "dense":
-                return decode_dense(q, cache, ctx, self.scale)
-            return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
-
         n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
-        batch = Batch(pos, n, attention, self._rope_angles(pos), keys_from_cache=True)
-        return self.model.logits(self.model(ids, pos, batch))
+        batch = self.execution.batch(pos, n, self.attention.decode(seqs), self.inv_freq, True)
+        return self._sample(seqs, self.model.logits(self.model.forward(ids, pos, batch)))
 
     # --- sampling ----------------------------------------------------------------------
 
@@ -377,10 +299,10 @@ class ModelRunner:
         rows = sum(len(s.tokens) for s in seqs) if is_prefill else len(seqs)
         # The ring pays a call per step that one all-gather does not; it wins only once
         # the up GEMM it hides is worth more (``deinfer predict`` says from how many rows).
-        self.comm.overlap = self.config.overlap and rows >= self.config.overlap_min_rows
-        if not self.comm.timed:
-            return self.prefill(seqs) if is_prefill else self.decode(seqs)
-        start = time.perf_counter()  # timed: the rank's own time per step, beside the comm's
-        out = self.prefill(seqs) if is_prefill else self.decode(seqs)
-        self.comm.stats.record("step:rank", 0, time.perf_counter() - start)
+        self.comm.overlap = self.options.overlap and rows >= self.options.overlap_min_rows
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.prefill(seqs) if is_prefill else self.decode(seqs)
+        if self.comm.timed:  # the rank's own time per step, beside the comm's
+            self.comm.stats.record("step:rank", 0, time.perf_counter() - start)
         return out

@@ -11,7 +11,6 @@ import torch
 
 from runtime.engine.kv_cache import plan_compaction
 from runtime.kernels.reference import apply_norm
-from runtime.model.layers import Batch
 from runtime.model.paged_cache import LayerCache
 from runtime.model.transformer import TPModel
 
@@ -34,9 +33,10 @@ class StaticDecoder:
         caches: list[LayerCache],
         latent_widths: list[int],
         shapes: StaticShapes,
-        backend: str,
     ) -> None:
-        self.model, self.caches, self.backend, self.shapes = model, caches, backend, shapes
+        self.model, self.caches, self.shapes = model, caches, shapes
+        # the static path's kernels: Triton's, or their torch references
+        self.kernels, self.backend = model.execution.kernels, model.execution.backend
         self.latent_widths = latent_widths
         self.scratch_slot = shapes.num_blocks * shapes.block_size
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -127,12 +127,13 @@ class StaticDecoder:
         """The graph-safe step: fixed shapes for a bucket, every count read from device
         memory, no host synchronisation."""
         positions = self.positions[:bucket]
-        batch = Batch(positions=positions, n_valid=self.n_tokens, attention=self._attention(bucket))
-        hidden = self.model(self.input_ids[:bucket], positions, batch)
+        attention = self._attention(bucket)
+        batch = self.model.execution.batch(positions, self.n_tokens, attention, None)
+        hidden = self.model.forward(self.input_ids[:bucket], positions, batch)
         return self.model.logits(hidden)
 
     def _attention(self, bucket: int):
-        registry = self.model.layers[0].s.kernels
+        registry = self.kernels
 
         def attention(index, q, k, v, latent):
             cache = self.caches[index]
@@ -152,7 +153,7 @@ class StaticDecoder:
         """Copy the batch's latent blocks into the compact buffer, rebuild K and V with the
         fixed-size GEMM (cost follows the valid rows), q/k norm and RoPE K in place."""
         layer, cache = self.model.layers[index], self.caches[index]
-        lp, registry, backend = layer.s.plan, layer.s.kernels, self.backend
+        lp, registry, backend = layer.s.plan, self.kernels, self.backend
         width, r_k = lp.kv_latent_per_rank, lp.shape.rank("k")
         d = layer.s.model.head_dim
         compact = self.compact[width]

@@ -1,17 +1,17 @@
 """Decoder layers in the three modes, in the order of docs/METHOD.md.
 
-The dataflow does not depend on the spec, so it is written here once; the kernels
-it calls come from the generated registry (``generated/<spec>/kernels.py``), picked
-by the shapes the plan gives, and run as Triton or as their torch references.
-Attention itself is a callback (``Batch.attention``): prefill, paged decode and the
-latent-cache reconstruction live in the runtime that owns the cache.
+The dataflow does not depend on the spec, so it is written here once; its products,
+norms and RoPE come from the rank's ``Execution`` (``runtime.model.execution``: the
+generated kernels on the static path, the eager products on the dynamic one), picked by
+the shapes the plan gives. Attention is the forward's ``Batch.attention``: prefill,
+paged decode and the latent-cache reconstruction live with the cache that the runner
+owns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,16 +20,10 @@ from torch import nn
 from dsl.plan import LayerPlan
 from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
-from runtime.kernels import KernelRegistry, eager
+from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.huge_pages import on_huge_pages
-from runtime.kernels.reference import apply_norm
-
-# attention(layer index, q [T, Hl, d], k [T, KVl, d], v [T, KVl, d], latent [T, r_k + r_v] or
-# None) -> [T, Hl, d]. Rotary embedding has already been applied to q and k.
-AttentionFn = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
-]
+from runtime.model.execution import Batch, Execution
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -39,33 +33,14 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-@dataclass
-class Batch:
-    """Per-forward inputs shared by every layer."""
-
-    positions: torch.Tensor  # int32 [T]
-    n_valid: torch.Tensor  # int32 [1]: rows of the activations that are real tokens
-    attention: AttentionFn
-    # Eager backend only: RoPE tables [T, 1, head_dim] of the positions
-    # (``eager.rope_tables``, broadcast over heads), made once per forward instead of in
-    # every layer.
-    rope_angles: tuple[torch.Tensor, torch.Tensor] | None = None
-    # A dynamic-path decode step: a layer with a latent cache attends from its cache
-    # alone (``eager_attention.decode_latent``), so it skips its new token's k and v.
-    keys_from_cache: bool = False
-
-
 @dataclass(frozen=True)
 class LayerSetup:
     model: ModelConfig
     plan: LayerPlan
     rank: int
     comm: Comm
-    kernels: KernelRegistry
-    backend: str  # "triton" | "torch" | "eager"
+    execution: Execution  # the rank's products, norms and RoPE (one for every layer)
     inv_freq: torch.Tensor | None  # None for learned positions
-    # The eager backend's matrix products: the runner's tuned ``CpuGemm`` once measured.
-    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = eager.matmul
     # Whether this layer's KV cache is latent (``LayerPlan.cache_kind``): only then does
     # attention get the gathered latent's k/v columns.
     latent_cache: bool = True
@@ -118,49 +93,20 @@ class DecoderLayer(nn.Module):
         """The weight ``name`` (a ``ReleasedMatrix`` once the tuned gemm keeps it alone)."""
         return getattr(self, name.replace(".", "__")) if name in self.names else None
 
-    def normalize(self, x, weight, bias, kind: str) -> torch.Tensor:
-        """Norm in fp32, result in x's dtype: one fused op on the eager backend."""
-        eps = self.s.model.norm.eps
-        if self.s.backend == "eager":
-            return eager.normalize(x, weight, bias, norm=kind, eps=eps)
-        return apply_norm(x, weight, bias, norm=kind, eps=eps).to(x.dtype)
-
     def norm(self, x: torch.Tensor, which: str) -> torch.Tensor:
         kind = self.s.model.norm.kind
-        return self.normalize(x, self.w(f"{which}.weight"), self.w(f"{which}.bias"), kind)
+        return self.s.execution.norm(x, self.w(f"{which}.weight"), self.w(f"{which}.bias"), kind)
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        if self.s.backend == "eager":  # every row is real: the product is the output
-            return self.s.gemm(a, b)
-        kernel = self.s.kernels.get("gemm", tuple(b.shape), self.s.backend)
-        out = a.new_empty((a.shape[0], b.shape[1]))
-        return kernel(a, b, out, n_valid)
-
-    def product_kernel(self, family: str, key) -> Callable:
-        """A generated kernel that multiplies (down_proj, latent_up); on the eager backend
-        its products go through this layer's ``gemm``."""
-        kernel = self.s.kernels.get(family, key, self.s.backend)
-        return partial(kernel, gemm=self.s.gemm) if self.s.backend == "eager" else kernel
-
-    def rope(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated (the eager tables rotate a view as it is; the
-        kernels, and attention without RoPE, get it contiguous)."""
-        if batch.rope_angles is not None:
-            cos, sin = batch.rope_angles
-            return eager.rotate(x, cos, sin, self.s.model.positions.style)
-        x = x.contiguous()
-        if self.s.inv_freq is None:
-            return x
-        kernel = self.s.kernels.get("rope", x.shape[1], self.s.backend)
-        return kernel(x, batch.positions, self.s.inv_freq, batch.n_valid)
+        return self.s.execution.gemm(a, b, n_valid)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """Qwen3: RMSNorm over each head's vector, before RoPE (k None: q's alone)."""
         if not self.s.model.qk_norm:
             return q, k
-        q = self.normalize(q, self.w("q_norm.weight"), None, "rms")
+        q = self.s.execution.norm(q, self.w("q_norm.weight"), None, "rms")
         if k is not None:
-            k = self.normalize(k, self.w("k_norm.weight"), None, "rms")
+            k = self.s.execution.norm(k, self.w("k_norm.weight"), None, "rms")
         return q, k
 
     def add_bias(self, y: torch.Tensor, name: str) -> torch.Tensor:
@@ -175,7 +121,8 @@ class DecoderLayer(nn.Module):
         if k is not None:
             k, v = k.reshape(tokens, -1, d), v.reshape(tokens, -1, d)
         q, k = self.qk_norm(q, k)
-        q, k = self.rope(q, batch), None if k is None else self.rope(k, batch)
+        rope, inv_freq = self.s.execution.rope, self.s.inv_freq
+        q, k = rope(q, batch, inv_freq), None if k is None else rope(k, batch, inv_freq)
         return batch.attention(self.index, q, k, v, latent).reshape(tokens, -1)
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -249,7 +196,7 @@ class DeinferLayer(DecoderLayer):
         cat = self.s.plan.concat(group)
         if cat is not None:
             key = (group, self.s.plan.shape_id)
-            down = self.product_kernel("down_proj", key)
+            down = self.s.execution.kernel("down_proj", key)
             z = down(
                 x,
                 self.w(f"{group}.cat"),
@@ -257,7 +204,7 @@ class DeinferLayer(DecoderLayer):
                 self.w(f"{norm}.weight"),
                 self.w(f"{norm}.bias"),
             )
-            if self.s.backend == "eager" and not self.s.comm.rings(z):
+            if self.s.execution.gathers_whole(self.s.comm, z):
                 latent = self.s.comm.all_gather_columns(z)
                 outs = self.whole_latent_up(cat, latent, names, batch)
             else:
@@ -279,15 +226,15 @@ class DeinferLayer(DecoderLayer):
             torch.zeros((z.shape[0], u.shape[1]), dtype=torch.float32, device=z.device) for u in ups
         )
         gathered = z.new_empty((self.s.comm.world, *z.shape))
-        module = self.s.kernels.module("latent_up", key)
-        chunk_fn = self.product_kernel("latent_up", key)
+        module = self.s.execution.module("latent_up", key)
+        chunk_fn = self.s.execution.kernel("latent_up", key)
         module.latent_up(self.s.comm, z, gathered, ups, accs, chunk_fn=chunk_fn)
         return {n: acc.to(z.dtype) for n, acc in zip(members, accs, strict=True)}, gathered
 
     def whole_latent_up(
         self, cat, latent: torch.Tensor, names: tuple[str, ...], batch: Batch
     ) -> dict[str, torch.Tensor]:
-        """Eager backend, latent gathered at once (shared memory, or no ring): one
+        """Dynamic path, latent gathered at once (shared memory, or no ring): one
         product per up factor of ``names`` over its columns of the latent — the whole
         factor, which the tuned products cover, instead of row slices of it per chunk."""
         outs = {}
@@ -318,7 +265,7 @@ class DeinferLayer(DecoderLayer):
         # a latent layer's decode on the dynamic path reads its keys from the cache: its
         # k and v up products would go unused (without them a latent step of cpu-135m at
         # 40%, batch 8, context 256, is 3.6% shorter: 42 alternated steps)
-        skip_kv = width is not None and batch.keys_from_cache
+        skip_kv = width is not None and self.s.execution.reads_cached_keys(batch)
         qkv = ("q",) if skip_kv else ("q", "k", "v")
         out, gathered = self.column_group("attn", qkv, x, "input_norm", batch, width is not None)
         latent = None

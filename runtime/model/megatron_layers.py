@@ -101,10 +101,10 @@ class DenseLayer(DecoderLayer):
         return act(self.columns(("fc1",), xn, batch)[0])
 
     def fuses_residual(self) -> bool:
-        """On the eager backend, where no row projection has a bias to add after its
-        all-reduce."""
+        """Where the execution fuses residual adds into norms and no row projection has a
+        bias to add after its all-reduce."""
         biased = self.w("o.bias") is not None or self.w(f"{self.mlp_row()}.bias") is not None
-        return self.s.backend == "eager" and not biased
+        return self.s.execution.fuses_residual_adds and not biased
 
     def forward_fused(
         self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch

@@ -4,7 +4,6 @@ final norm, vocab-parallel LM head with the logits gathered."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -12,11 +11,11 @@ from torch import nn
 from dsl.plan import ModePlan
 from dsl.spec import Spec
 from runtime.dist.comm import Comm
-from runtime.kernels import KernelRegistry, eager
+from runtime.kernels import eager
 from runtime.kernels.huge_pages import on_huge_pages
-from runtime.kernels.reference import apply_norm
+from runtime.model.execution import Batch, Execution
 from runtime.model.layer_modes import LAYER_CLASSES
-from runtime.model.layers import Batch, LayerSetup
+from runtime.model.layers import LayerSetup
 from runtime.model.rope import inv_freq
 from runtime.model.weights import ModelWeights
 
@@ -30,19 +29,17 @@ class TPModel(nn.Module):
         mode_plan: ModePlan,
         rank: int,
         comm: Comm,
-        kernels: KernelRegistry,
-        backend: str,
+        execution: Execution,
         weights: ModelWeights,
         kv_cache: str = "latent",
     ) -> None:
         """``kv_cache``: the cache the runner asked for (dense | latent | auto); layers
         whose cache it makes latent hand attention the latent."""
         super().__init__()
-        self.spec, self.comm, self.rank = spec, comm, rank
-        self.backend = backend
-        self.matmul = eager.matmul if backend == "eager" else torch.matmul
+        self.spec, self.comm, self.rank, self.execution = spec, comm, rank, execution
         m = spec.model
         freqs = inv_freq(m.positions, m.head_dim) if m.positions.kind == "rope" else None
+        self.inv_freq = freqs
         self.register_buffer("embed", weights.embed, persistent=False)
         self.register_buffer("lm_head", weights.lm_head, persistent=False)
         self.positions_table = weights.positions
@@ -56,8 +53,7 @@ class TPModel(nn.Module):
                 plan=lp,
                 rank=rank,
                 comm=comm,
-                kernels=kernels,
-                backend=backend,
+                execution=execution,
                 inv_freq=freqs,
                 latent_cache=lp.cache_kind(kv_cache) == "latent",
             )
@@ -86,12 +82,6 @@ class TPModel(nn.Module):
         share it, and its products take a fresh view each step)."""
         return sum(layer.release(stand_in) for layer in self.layers)
 
-    def use_gemm(self, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Eager backend: multiply through ``gemm`` (a tuned ``CpuGemm``) from now on."""
-        self.matmul = gemm
-        for layer in self.layers:
-            layer.s = replace(layer.s, gemm=gemm)
-
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary rows; an all-reduce sums them."""
         rows = self.embed.shape[0]
@@ -105,25 +95,22 @@ class TPModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         m = self.spec.model
-        norm = eager.normalize if self.backend == "eager" else apply_norm
-        h = norm(
-            hidden,
-            self.final_norm["weight"],
-            self.final_norm.get("bias"),
-            norm=m.norm.kind,
-            eps=m.norm.eps,
-        ).to(hidden.dtype)
-        local = self.matmul(h, self.lm_head.t())
+        h = self.execution.norm(
+            hidden, self.final_norm["weight"], self.final_norm.get("bias"), m.norm.kind
+        )
+        local = self.execution.matmul(h, self.lm_head.t())
         return self.comm.all_gather_columns(local, tag="logits")[:, : m.vocab_size]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch
     ) -> torch.Tensor:
-        """Hidden states [T, h] of the tokens (call ``logits`` on the rows you need)."""
+        """Hidden states [T, h] of the tokens (call ``logits`` on the rows you need).
+        The layers' ``forward`` is called directly: they have no hooks, and a decode step
+        reaches its first product two calls sooner per module (docs/ARCHITECTURE.md)."""
         x = self.embed_tokens(input_ids, positions)
         if not self.fuses_residual:
             for layer in self.layers:
-                x = layer(x, batch)
+                x = layer.forward(x, batch)
             return x
         pending = None  # each layer's last product, all-reduced by the next's first norm
         for layer in self.layers:

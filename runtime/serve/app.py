@@ -86,7 +86,9 @@ class Routes:
             )
         return req
 
-    def _start(self, req: _Request, prompts: list[Prompt], logprobs: int | None) -> list:
+    def _start(
+        self, req: _Request, prompts: list[Prompt], logprobs: int | None
+    ) -> list[Generation]:
         choices = admit(req, prompts, self.llm, logprobs)
         try:
             handles = self.engine.submit_all([(c.prompt.ids, c.params) for c in choices])

@@ -1,3 +1,3 @@
-"""Tools built on the engine: checkpoint decomposition (``decompose``, ``compress``),
-random checkpoints (``random_checkpoint``), the transformers reference model
-(``hf_reference``), the demo (``demo``) and the benchmarks (``bench``)."""
+"""Helpers built on the engine that other rooms share: random checkpoints of a spec's
+shapes (``random_checkpoint``) and the transformers reference model holding a
+checkpoint's products (``hf_reference``)."""

@@ -1,0 +1,345 @@
+"""``deinfer bench``: throughput, serving and per-block breakdown, side by side.
+
+Every configuration (mode × KV cache × tp × compression ratio × max_seq_len) gets one
+engine, kept alive for the whole run, and is measured at each decode batch; with ``hf``,
+transformers ``generate`` on the same weights runs beside them. Repetitions are
+interleaved across everything (rep 1 of all, then rep 2 of all, ...) after a warm-up,
+so slow drifts of the machine hit every row alike. Checkpoints have random factors of
+the spec's shapes. Each row is also set against the weight-streaming floor: the bytes a
+decode step must read over the memory bandwidth the bench measures.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from bench.baseline import hf_throughput, memory_bandwidth
+from bench.config import PRESETS, BenchConfig, preset
+from bench.measure import (
+    breakdown_run,
+    lockstep_runs,
+    prompts_for,
+    serving_run,
+    throughput_run,
+)
+from bench.rank_alone import RankAloneLLM
+from bench.ratios import add_ratios
+from bench.variants import (
+    Variant,
+    cpu_times,
+    machine,
+    max_batch,
+    planned_elements,
+    steal_fraction,
+    variant_spec,
+    variants_of,
+)
+from dsl import Spec, load_spec
+from runtime.dist.emulated_link import LinkSpec
+from runtime.engine.config import EngineOptions, default_path, default_threads
+from runtime.engine.llm import LLM
+from runtime.tools.random_checkpoint import write_random_checkpoint
+
+__all__ = ["PRESETS", "BenchConfig", "preset", "run_bench", "variants_of"]
+
+
+class _Models:
+    """Each row's spec, and random checkpoints in a temporary folder, one per ratio."""
+
+    def __init__(self, cfg: BenchConfig, folder: Path) -> None:
+        self.cfg, self.folder = cfg, folder
+        self.base = load_spec(cfg.spec)
+        self.checkpoints: dict[float | None, Path] = {}
+
+    def spec(self, v: Variant) -> Spec:
+        spec = variant_spec(self.base, v, self.cfg)
+        if v.ratio not in self.checkpoints:
+            ckpt = self.folder / f"checkpoint-{len(self.checkpoints)}"
+            write_random_checkpoint(spec, ckpt, self.cfg.seed)
+            self.checkpoints[v.ratio] = ckpt
+        return spec
+
+
+class LinkPlanner(Protocol):
+    """What turns ``BenchConfig.links`` entries into tc rates and predicts each row
+    (``bench.link_planner`` has the one built on the cost model)."""
+
+    def resolve(self, cfg: BenchConfig, fit: tuple[str, Any, float]) -> dict[str, str]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def probe(self, engine: Any, v: Variant) -> None: ...
+
+    def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
+
+
+FAST_LINK = "8000000000bit"  # far above what gloo over TCP carries here
+
+
+def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
+    """(mode, engine, measured compute ms per block) of one linked engine — Base's where
+    it runs — measured behind the fast link: what the planner fits its compute scale on."""
+    linked = [v for v in variants if v.link and v.mode != "hf"]
+    v = next((v for v in linked if v.mode == "base"), linked[0])
+    engine, spec = engines[v.engine], specs[v.engine]
+    engine.workers.call("set_comm_stats", "timed")
+    block = breakdown_run(engine, cfg, vocab, spec.model.num_layers)["block_ms_per_step"]
+    engine.workers.call("set_comm_stats", "off")
+    return v.mode, engine, block["compute_and_overhead"]
+
+
+def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
+    """Reshape ``engine``'s links to ``v``'s; the first time a link is used, measure it."""
+    if v.link is None or v.mode == "hf":
+        return
+    want = LinkSpec.parse(rates[v.link])
+    if engine.link != want:
+        probe = engine.set_link(want, probe="probe" not in links[v.link])
+        if probe:
+            links[v.link]["probe"] = probe
+    elif "probe" not in links[v.link]:
+        links[v.link]["probe"] = engine.workers.link_probe
+
+
+def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = None):
+    spec = models.spec(v)
+    ckpt = models.checkpoints[v.ratio]
+    if v.mode == "hf":
+        from runtime.tools.hf_reference import load_transformers
+
+        return load_transformers(spec, ckpt), spec
+    blocks = max_batch(cfg) * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size)
+    engine_class = RankAloneLLM if v.alone else LLM
+    options = EngineOptions(
+        mode=v.mode,
+        kv_cache=v.kv_cache,
+        backend=cfg.backend,
+        num_blocks=blocks + 1,
+        overlap=cfg.overlap,
+        path=cfg.path,
+        threads=_threads(cfg, v),
+        link=link if v.tp > 1 else None,
+        up_layout=v.up_layout,
+        pack_weights=cfg.pack_weights,
+    )
+    llm = engine_class(spec, ckpt, options)
+    return llm, spec
+
+
+def _threads(cfg: BenchConfig, v: Variant) -> int:
+    """The row's intra-op threads per rank: its own, the bench's, or cores // tp. The hf
+    row is one process, which a user would give every core the widest engine row uses
+    (at tp 2 with one thread per rank: two threads), never more than the machine has."""
+    if v.mode == "hf" and not v.threads:
+        cores = default_threads(1)
+        return min(cores, cfg.threads * max(cfg.tps)) if cfg.threads else cores
+    return v.threads or cfg.threads or default_threads(v.tp)
+
+
+def _use_threads(v: Variant, engine, cfg: BenchConfig) -> None:
+    """A tp 1 engine (or a rank alone) runs in this process, whose thread count other
+    rows may have changed: give it the row's own."""
+    if v.in_process:
+        engine.workers.call("threads", _threads(cfg, v))
+
+
+def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
+    """One throughput run (and a serving run for engines), at the row's thread count."""
+    if v.mode == "hf":
+        torch.set_num_threads(_threads(cfg, v))
+        prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
+        return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
+    _use_threads(v, engine, cfg)
+    out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
+    if cfg.serving:
+        out["serving"] = serving_run(engine, cfg, vocab)
+    return out
+
+
+def _streamed_bytes(v: Variant, engine) -> int:
+    if v.mode != "hf":
+        return engine.workers.call("streamed_weight_bytes")[0]
+    named = engine.named_parameters(remove_duplicate=False)
+    return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
+
+
+class _Session:
+    """The engines of one bench run, kept alive across repetitions, and its links."""
+
+    def __init__(
+        self, cfg: BenchConfig, planner: LinkPlanner | None, note, variants: list[Variant]
+    ) -> None:
+        self.cfg, self.planner, self.note = cfg, planner, note
+        self.variants = variants
+        self.tmp = tempfile.TemporaryDirectory(prefix="deinfer-bench-")
+        self.models = _Models(cfg, Path(self.tmp.name))
+        self.vocab = self.models.base.model.vocab_size
+        self.engines: dict[tuple, Any] = {}
+        self.specs: dict[tuple, Any] = {}
+        # Engines start behind a fast link; links given as a ratio are resolved once the
+        # planner has measured a block here (it needs the real compute to set the rate).
+        self.rates = {link: link if planner is None else FAST_LINK for link in cfg.links}
+        self.links: dict[str, Any] = {}
+
+    def start(self) -> None:
+        for v in self.variants:
+            if v.engine not in self.engines:
+                self.note(f"start {v.label}")
+                link = self.rates[v.link] if v.link else None
+                self.engines[v.engine], self.specs[v.engine] = _start(
+                    v, self.models, self.cfg, link
+                )
+
+    def resolve_links(self, results: dict[str, Any]) -> None:
+        if not self.cfg.links:
+            return
+        if self.planner:
+            self.note("calibrate the cost model on a measured block")
+            fit = _fit_block(self.variants, self.engines, self.specs, self.cfg, self.vocab)
+            self.rates = self.planner.resolve(self.cfg, fit)
+            results["planner"] = self.planner.describe()
+        self.links = {link: {"rate": self.rates[link]} for link in self.cfg.links}
+        results["links"] = self.links
+
+    def engine(self, v: Variant):
+        """``v``'s engine, behind ``v``'s link."""
+        engine = self.engines[v.engine]
+        _switch_link(v, engine, self.rates, self.links)
+        return engine
+
+    def measure(self) -> dict[Variant, list[dict[str, Any]]]:
+        short = replace(self.cfg, num_requests=1, output_len=2, serving=False)
+        for v in self.variants:  # warm-up, excluded
+            _measure(replace(v, batch=1), self.engine(v), short, self.vocab)
+        raw: dict[Variant, list[dict[str, Any]]] = {v: [] for v in self.variants}
+        for rep in range(self.cfg.reps):
+            if self.cfg.lockstep:
+                self._lockstep(rep, raw)
+                continue
+            for v in self.variants:
+                self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
+                raw[v].append(_measure(v, self.engine(v), self.cfg, self.vocab))
+                if self.planner and v.link:
+                    self.planner.probe(self.engines[v.engine], v)
+        return raw
+
+    def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
+        """One repetition: transformers' rows alone, then the engine rows of each batch
+        in lockstep and, if the bench serves, each of those rows' serving run alone."""
+        by_batch: dict[int | None, list[Variant]] = {}
+        for v in self.variants:
+            if v.mode == "hf":
+                self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
+                raw[v].append(_measure(v, self.engines[v.engine], self.cfg, self.vocab))
+            else:
+                by_batch.setdefault(v.batch, []).append(v)
+        for batch, rows in by_batch.items():
+            self.note(
+                f"rep {rep + 1}/{self.cfg.reps} in lockstep: " + ", ".join(v.label for v in rows)
+            )
+            engines = [self.engines[v.engine] for v in rows]
+            # tp 1 engines (and ranks alone) run in this process, whose thread count
+            # they share: each is given its own before each of its steps
+            threads = [_threads(self.cfg, v) if v.in_process else None for v in rows]
+            runs = lockstep_runs(engines, self.cfg, self.vocab, batch, threads)
+            for v, run in zip(rows, runs, strict=True):
+                raw[v].append({"throughput": run})
+                if self.cfg.serving:
+                    _use_threads(v, self.engines[v.engine], self.cfg)
+                    raw[v][-1]["serving"] = serving_run(
+                        self.engines[v.engine], self.cfg, self.vocab
+                    )
+
+    def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
+        if self.planner and v.link:
+            row["predicted"] = self.planner.predict(self.specs[v.engine], v, self.cfg)
+        return row
+
+    def close(self) -> None:
+        for key, engine in self.engines.items():
+            if key[0] != "hf":
+                engine.close()
+        self.tmp.cleanup()
+
+
+def run_bench(
+    cfg: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+    planner: LinkPlanner | None = None,
+) -> dict[str, Any]:
+    """Measure every variant of ``cfg``. Links given as plain tc rates need no
+    ``planner``; others (e.g. ``ratio:5.2``) are resolved by it, which also predicts
+    each row."""
+    cores = default_threads(1)
+    cpu_before = cpu_times()
+    results: dict[str, Any] = {"config": asdict(cfg), "machine": machine(), "variants": []}
+    results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
+    results["machine"]["bandwidth_threads"] = cores
+    rows: dict[Variant, dict[str, Any]] = {}
+    for phase in _phases(cfg):
+        session = _Session(cfg, planner, progress or (lambda message: None), phase)
+        try:
+            session.start()
+            session.resolve_links(results)
+            raw = session.measure()
+            rows.update({v: session.row(v, raw[v]) for v in session.variants})
+            if planner:
+                results["planner"] = planner.describe()
+        finally:
+            session.close()
+    results["variants"] = [rows[v] for v in variants_of(cfg)]
+    results["machine"]["cpu_steal_fraction"] = steal_fraction(cpu_before, cpu_times())
+    add_ratios(results)
+    return results
+
+
+def _phases(cfg: BenchConfig) -> list[list[Variant]]:
+    """The rows whose engines live at once: all of them, or (``phase_by_tp``) those of
+    each tp degree, transformers' rows with the first."""
+    variants = variants_of(cfg)
+    if not cfg.phase_by_tp:
+        return [variants]
+    engines = [v for v in variants if v.mode != "hf"]
+    phases = [[v for v in engines if v.tp == tp] for tp in dict.fromkeys(v.tp for v in engines)]
+    phases[0] += [v for v in variants if v.mode == "hf"]
+    return phases
+
+
+def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
+    def rank0(method: str) -> Any:
+        """Rank 0's answer to ``method`` (None for transformers rows)."""
+        return None if v.mode == "hf" else engine.workers.call(method)[0]
+
+    row = {
+        **asdict(v),
+        "label": v.label,
+        "threads_per_rank": _threads(cfg, v),
+        "path": None if v.mode == "hf" else cfg.path or default_path(),
+        "throughput": [r["throughput"] for r in runs],
+        "serving": [r["serving"] for r in runs if "serving" in r],
+        "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
+        # rank 0's tuned product forms (the ranks of a group choose alike when their
+        # shards have the same shapes), {"KxN": {rows: form}}; none off the CPU path
+        "gemm_forms": rank0("gemm_forms"),
+        # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
+        "up_layout_used": rank0("plan_up_layout"),
+        # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
+        "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
+        # rank 0's weights kept only in a tuned form's layout (in place of the weight)
+        "released_weight_bytes_per_rank": rank0("released_weight_bytes"),
+        # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
+        "latent_key_copies": rank0("latent_key_copies"),
+    }
+    if v.mode != "hf" and cfg.breakdown and not v.alone:  # a rank alone has no collectives
+        engine.workers.call("set_comm_stats", "timed")
+        row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
+        planned = planned_elements(spec, v.mode, row["up_layout_used"])
+        row["planned_elements_per_token_per_block"] = planned
+    return row

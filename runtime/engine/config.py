@@ -1,0 +1,175 @@
+"""An engine's configuration, decided once.
+
+``EngineOptions`` is every option of an engine as the user gives it (the Python API, the
+command line, the server and the benchmark all build one); ``resolve`` turns it, on this
+machine, into the facts every part then reads (``EngineFacts``: execution path, kernels,
+threads, KV cache, shared-memory collectives, deinfer's up layout) — each rule defined
+here and nowhere else; ``RunnerConfig`` is what each rank receives: the spec, the plan
+built once with those facts, and both of the above."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dsl import MODES, Spec
+from dsl.errors import UserError
+from dsl.plan import UP_LAYOUTS, UP_REPLICATED, UP_SHARDED, ModePlan
+from runtime.dist import shm_collectives
+from runtime.dist.emulated_link import LinkSpec
+from runtime.dist.launcher import HEARTBEAT_S, under_torchrun
+from runtime.kernels import BACKENDS
+
+PATHS = ("static", "dynamic")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every option of an engine, as given; None (and ``auto``) is chosen by ``resolve``."""
+
+    tp: int | None = None  # None: the spec's
+    mode: str = "deinfer"  # deinfer | base | dense
+    path: str | None = None  # static (fixed shapes, CUDA graphs) | dynamic (shapes follow)
+    backend: str | None = None  # the static path's kernels: triton | torch
+    kv_cache: str | None = None  # dense | latent | auto; None: the spec's
+    threads: int | None = None  # intra-op threads per rank; None: cores // tp
+    up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
+    shm_collectives: bool = True  # same-host CPU ranks talk through shared memory
+    link: LinkSpec | str | None = None  # emulated link between the ranks (namespaces)
+    num_blocks: int | None = None  # KV blocks; None: what kv_memory_bytes holds
+    kv_memory_bytes: int = 256 << 20
+    cuda_graphs: bool = True
+    generated_root: str = "generated"
+    timeout_s: float = 600.0  # a rank's answer to one call
+    heartbeat_s: float = HEARTBEAT_S  # a rank silent this long is stopped or hung
+    comm_stats: str = "off"  # off | count | timed (timed syncs the GPU around collectives)
+    overlap: bool = True  # ring all-gather overlapped with the up-projection ...
+    overlap_min_rows: int = 0  # ... in forwards of at least this many rows
+    # Prompt tokens per prefill forward. 512 rows already make every GEMM of the 135M
+    # model compute-bound here, and bound activations to O(512 · hidden) per layer.
+    prefill_chunk: int = 512
+    # Dynamic path on a CPU: measure the fastest form of each weight's product at start-up
+    # (``runtime.kernels.cpu_gemm``); off, every product takes the untuned default.
+    tune_gemm: bool = True
+    # Tuning may keep a reordered copy of the weights whose shape multiplies fastest from
+    # it (oneDNN's blocks or the native panels): in place of the weight where that form
+    # takes every row count (``CpuGemm.release``), else beside it; off, the tuner chooses
+    # among the forms that read the weights as stored.
+    pack_weights: bool = True
+    # A weight of absurd magnitude (``runtime.model.checkpoint``) is a warning, not an error.
+    allow_extreme_weights: bool = False
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What ``EngineOptions`` come to on this machine for one spec."""
+
+    path: str  # static | dynamic
+    kernels: str  # the layers' kernels: "eager" on the dynamic path, else the backend
+    kv_cache: str  # dense | latent | auto
+    threads: int  # intra-op threads per rank
+    shm_collectives: bool  # whether the ranks all-reduce and all-gather in shared memory
+    up_layout: str  # deinfer's o/down up factors: replicated | sharded
+    link: LinkSpec | None
+
+    @property
+    def static(self) -> bool:
+        return self.path == "static"
+
+
+def default_path() -> str:
+    """Static (graph-safe, CUDA graphs) on a GPU; dynamic on a CPU, where host
+    synchronisation is free and fixed shapes only waste work."""
+    return "static" if torch.cuda.is_available() else "dynamic"
+
+
+def default_threads(tp: int) -> int:
+    """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // tp)
+
+
+def uses_shared_memory(requested: bool, tp: int, link: LinkSpec | None) -> bool:
+    """Shared-memory collectives: asked for, between CPU ranks that all run on this host
+    (the built-in launcher's always do; torchrun's when its local world is the whole
+    world) and can share memory there, and no emulated link (every collective must
+    cross it)."""
+    one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == str(tp)
+    return (
+        requested
+        and link is None
+        and tp > 1
+        and one_host
+        and not torch.cuda.is_available()
+        and shm_collectives.supported()
+    )
+
+
+def auto_up_layout(shared_memory: bool) -> str:
+    """``auto``: split the o/down up factors where the ranks share memory — there an
+    all-gather of the output costs less than streaming the replicated factors
+    (docs/METHOD.md) — and replicate them, as the paper does, across a link."""
+    return UP_SHARDED if shared_memory else UP_REPLICATED
+
+
+def static_kernels(backend: str | None, path: str) -> str:
+    """The static path's kernels: triton on a GPU, torch on a CPU; triton on a CPU only
+    in Triton's interpreter (the dynamic path always runs the eager kernels)."""
+    if backend is None:
+        return "triton" if torch.cuda.is_available() else "torch"
+    if backend not in BACKENDS:
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
+    runnable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and path == "static" and not runnable:
+        raise UserError(
+            "backend triton needs a GPU (or TRITON_INTERPRET=1 to run the kernels in "
+            "Triton's interpreter on the CPU); on a CPU use the default path"
+        )
+    return backend
+
+
+def _check(options: EngineOptions, kv: str) -> None:
+    """One line naming the option that is not one of its choices."""
+    if options.up_layout != "auto" and options.up_layout not in UP_LAYOUTS:
+        raise UserError(
+            f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {options.up_layout!r}"
+        )
+    if options.mode not in MODES:
+        raise UserError(f"mode must be one of {', '.join(MODES)}, found {options.mode!r}")
+    if options.path is not None and options.path not in PATHS:
+        raise UserError(f"path must be one of {', '.join(PATHS)}, found {options.path!r}")
+    if kv == "latent" and options.mode != "deinfer":
+        raise UserError(
+            "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
+        )
+
+
+def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
+    """The facts ``options`` come to for ``spec`` (planned for its tp) on this machine."""
+    kv = options.kv_cache or spec.runtime.kv_cache
+    _check(options, kv)
+    path = options.path or default_path()
+    kernels = static_kernels(options.backend, path) if path == "static" else "eager"
+    link = LinkSpec.parse(options.link) if isinstance(options.link, str) else options.link
+    tp = spec.parallel.tp
+    shared = uses_shared_memory(options.shm_collectives, tp, link)
+    layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
+    threads = options.threads or default_threads(tp)
+    return EngineFacts(path, kernels, kv, threads, shared, layout, link)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What every rank runs: ``spec`` (planned for the group's size), ``plan`` (its mode
+    with the resolved up layout, built once by the driver), where the code and the
+    weights are, and the engine's options and facts."""
+
+    spec: Spec
+    plan: ModePlan
+    generated: str
+    checkpoint: str
+    num_blocks: int
+    options: EngineOptions
+    facts: EngineFacts
