@@ -167,7 +167,8 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: Sequence[str]
             signal.signal(signal.SIGTERM, previous)
 
 
-def _deinfer_parser() -> argparse.ArgumentParser:
+def deinfer_parser() -> argparse.ArgumentParser:
+    """``deinfer``'s parser, every subcommand registered."""
     parser = OneLineParser(prog="deinfer")
     sub = parser.add_subparsers(
         dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND"
@@ -182,7 +183,8 @@ def _deinfer_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gen_parser() -> argparse.ArgumentParser:
+def gen_parser() -> argparse.ArgumentParser:
+    """``deinfer-gen``'s parser."""
     from cli.gen import add_gen_arguments, run_gen
 
     parser = OneLineParser(
@@ -193,7 +195,8 @@ def _gen_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tune_parser() -> argparse.ArgumentParser:
+def tune_parser() -> argparse.ArgumentParser:
+    """``deinfer-tune``'s parser."""
     from cli.tune import add_tune_arguments, run_tune
 
     parser = OneLineParser(prog="deinfer-tune", description="autotune generated kernels on a GPU")
@@ -203,15 +206,15 @@ def _tune_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_parser(_deinfer_parser, argv)
+    return run_parser(deinfer_parser, argv)
 
 
 def tune_main(argv: Sequence[str] | None = None) -> int:
-    return run_parser(_tune_parser, argv)
+    return run_parser(tune_parser, argv)
 
 
 def gen_main(argv: Sequence[str] | None = None) -> int:
-    return run_parser(_gen_parser, argv)
+    return run_parser(gen_parser, argv)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def _prediction(spec, tp: int | None, dev, batches: list[int], context: int) -> 
         kv_choice,
         overlap_from_rows,
         predict_block,
-        up_layout_choice,
+        predicted_faster_up_layout,
     )
 
     plan = build_plan(spec, tp=tp)
@@ -141,7 +141,7 @@ def _prediction(spec, tp: int | None, dev, batches: list[int], context: int) -> 
         {"layers": list(layers), "cache": kind} for layers, kind in kv_choice(deinfer, dev, work)
     ]
     out["choices"]["deinfer"]["up_layout"] = {
-        b: up_layout_choice(deinfer, sharded, dev, Workload(b, context)) for b in batches
+        b: predicted_faster_up_layout(deinfer, sharded, dev, Workload(b, context)) for b in batches
     }
     return out
 

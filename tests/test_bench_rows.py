@@ -3,7 +3,9 @@ lockstep mode, from canned and tiny-model runs (no timing assertions)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -234,14 +236,17 @@ def test_the_report_says_how_much_cpu_time_the_hypervisor_took():
     assert steal_fraction(before, before) is None  # no time passed
     assert steal_fraction(None, after) is None and cpu_times("intr 1\n") is None
     here = cpu_times()
-    assert here is None or len(here) >= 8
+    if Path("/proc/stat").is_file():  # Linux: the live counters parse
+        assert here is not None and len(here) >= 8 and sum(here) > 0
+    else:
+        assert here is None
     m = {"cpu": "AMD EPYC", "cores": 2, "gpu": None, "torch": "t", "triton": "t"}
     results = {
         "config": {"spec": "s", "prompt_len": 1, "output_len": 1, "reps": 3},
         "machine": m | {"cpu_steal_fraction": 0.034},
         "variants": [],
     }
-    assert "(steal) during the bench: 3.4% (/proc/stat)." in markdown(results)
+    assert re.search(r"steal\b.*\b3\.4 ?%", markdown(results))  # the measured share, named
     results["machine"] = m
     assert "steal" not in markdown(results)
 

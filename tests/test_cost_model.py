@@ -20,7 +20,7 @@ from tune.cost_model import (
     link_rate_for_ratio,
     overlap_from_rows,
     predict_block,
-    up_layout_choice,
+    predicted_faster_up_layout,
 )
 from tune.profiles import DeviceProfile, builtin_profiles, load_profile
 from tune.table5 import FIT, PUBLISHED, TOLERANCE, reproduce
@@ -101,8 +101,8 @@ def test_up_factors_split_on_a_free_link_and_replicated_on_a_slow_one():
     work = Workload(16, 512)
     free = replace(DEV, link_bytes_per_s=1e15, link_latency_s=0.0)
     slow = replace(DEV, link_bytes_per_s=1e6)
-    assert up_layout_choice(replicated, sharded, free, work) == UP_SHARDED
-    assert up_layout_choice(replicated, sharded, slow, work) == UP_REPLICATED
+    assert predicted_faster_up_layout(replicated, sharded, free, work) == UP_SHARDED
+    assert predicted_faster_up_layout(replicated, sharded, slow, work) == UP_REPLICATED
     rep, shard = (predict_block(mp, DEV, work) for mp in (replicated, sharded))
     assert shard.gemm_s < rep.gemm_s and shard.comm_s > rep.comm_s
     assert shard.collectives == rep.collectives + 2
@@ -130,7 +130,7 @@ def test_table5_fits_one_figure_and_predicts_the_others():
     assert (fitted.link, fitted.tp, fitted.mode, fitted.part) == FIT
     assert fitted.error == pytest.approx(0, abs=0.01)
     within = [r for r in rows if not r.fitted and abs(r.error) <= TOLERANCE]
-    # What the README states: 14 of 19; the misses are Base's comm without NVLink.
+    # What docs/COST_MODEL.md states: 14 of 19; the misses are Base's comm without NVLink.
     assert len(within) == 14
     misses = {(r.link, r.tp, r.mode, r.part) for r in rows if abs(r.error) > TOLERANCE}
     assert ("pcie", 2, "base", "comm") in misses

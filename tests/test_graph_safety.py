@@ -1,7 +1,12 @@
 """The decode step is graph-safe by construction: two steps with different sequence
-lengths (same bucket) run the identical aten op/shape trace, with no host sync."""
+lengths (same bucket) run the identical aten op/shape trace, with no host sync. And it
+goes one way: from ``ModelRunner.step`` to its first matrix product in at most eight
+calls on either path (docs/ARCHITECTURE.md traces them)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,8 +56,8 @@ def runner_factory(tmp_path_factory):
     spec = parse_spec(spec_path.read_text(), "tiny-hf")
     write_atomically(generate(spec).files, tmp / "gen")
 
-    def make(kv: str, backend: str) -> ModelRunner:
-        options = EngineOptions(path="static", backend=backend, kv_cache=kv, cuda_graphs=False)
+    def make(kv: str, backend: str | None, path: str = "static") -> ModelRunner:
+        options = EngineOptions(path=path, backend=backend, kv_cache=kv, cuda_graphs=False)
         facts = resolve(options, spec)
         plan = build_plan(spec, modes=("deinfer",), up_layout=facts.up_layout).modes["deinfer"]
         config = RunnerConfig(spec, plan, str(tmp / "gen"), str(ckpt), 16, options, facts)
@@ -87,3 +92,43 @@ def test_decode_step_trace_is_static_and_sync_free(runner_factory, kv, backend):
     names = {name.split(".")[0] for name, _ in traces[0]}
     assert not names & HOST_SYNC, names & HOST_SYNC
     assert len(traces[0]) > 50  # the whole model ran under the recorder
+
+
+PRODUCTS = {"mm", "addmm", "bmm", "matmul", "linear", "_linear_pointwise"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FirstProduct(TorchDispatchMode):
+    """Records the project's calls, outermost first, that led to the first matrix
+    product after ``ModelRunner.step`` (torch's own frames left out)."""
+
+    def __init__(self, generated: str):
+        super().__init__()
+        self.roots = (str(REPO), generated)
+        self.chain: list[str] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.chain is None and func.__name__.split(".")[0] in PRODUCTS:
+            chain, frame = [], sys._getframe(1)
+            while frame is not None and frame.f_code is not ModelRunner.step.__code__:
+                name = frame.f_code.co_filename
+                if name.startswith(self.roots) and "/tests/" not in name:
+                    chain.append(f"{Path(name).stem}.{frame.f_code.co_name}")
+                frame = frame.f_back
+            assert frame is not None, "the product was not reached from ModelRunner.step"
+            self.chain = chain[::-1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("path", "backend"), [("dynamic", None), ("static", "torch")])
+def test_decode_step_reaches_its_first_product_in_eight_calls(runner_factory, path, backend):
+    runner = runner_factory("latent", backend, path)
+    params = SamplingParams(max_tokens=8)
+    runner.step([SeqInput(0, [1, 2, 3], 3, [0], params)], True)
+    recorder = FirstProduct(runner.config.generated)
+    with recorder:
+        runner.step([SeqInput(0, [4], 4, [0], params)], False)
+    chain = recorder.chain
+    assert chain is not None and chain[0] == "model_runner.decode", chain
+    assert "layers.column_group" in chain, chain  # a layer's product, not the LM head's
+    assert len(chain) <= 8, " -> ".join(chain)

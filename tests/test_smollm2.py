@@ -62,7 +62,7 @@ def decomposed(smollm2, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         args = ["decompose", "--model", str(smollm2), "--spec", str(spec), "--out", str(ck)]
         args += ["--method", method, "--quiet"]
         if method != "svd":
-            args += ["--calib", "self:64", "--calib-len", "128"]  # as the README table
+            args += ["--calib", "self:64", "--calib-len", "128"]  # as docs/COMPRESSION.md's table
         assert cli(args) == 0
         out[method] = (spec, ck)
     return out

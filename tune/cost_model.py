@@ -158,11 +158,13 @@ def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPred
     )
 
 
-def up_layout_choice(
+def predicted_faster_up_layout(
     replicated: ModePlan, sharded: ModePlan, dev: DeviceProfile, work: Workload
 ) -> str:
-    """deinfer's o/down up factors: replicated (the paper: more weight bytes per rank) or
-    split by columns (two more all-gathers of h per block), whichever block is faster."""
+    """The layout of deinfer's o/down up factors this model predicts faster for ``work``:
+    replicated (the paper: more weight bytes per rank) or split by columns (two more
+    all-gathers of h per block). ``deinfer predict`` reports it; the engine's ``auto``
+    does not ask it (its rule is ``runtime.engine.config.auto_up_layout``)."""
     rep, shard = (predict_block(mp, dev, work).total_s for mp in (replicated, sharded))
     return sharded.up_layout if shard < rep else replicated.up_layout
 

@@ -119,8 +119,6 @@ def static_kernels(backend: str | None, path: str) -> str:
     in Triton's interpreter (the dynamic path always runs the eager kernels)."""
     if backend is None:
         return "triton" if torch.cuda.is_available() else "torch"
-    if backend not in BACKENDS:
-        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
     runnable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "triton" and path == "static" and not runnable:
         raise UserError(
@@ -136,6 +134,8 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(
             f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {options.up_layout!r}"
         )
+    if options.backend is not None and options.backend not in BACKENDS:
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {options.backend!r}")
     if options.mode not in MODES:
         raise UserError(f"mode must be one of {', '.join(MODES)}, found {options.mode!r}")
     if options.path is not None and options.path not in PATHS:
