@@ -159,6 +159,25 @@ def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
     )
 
 
+def _startup(variants: list[dict[str, Any]]) -> str:
+    """One sentence: each engine's start-up seconds and what its tuning did."""
+    parts = []
+    for v in variants:
+        seconds, tuning = v.get("start_seconds"), v.get("tuning")
+        if seconds is None:
+            continue
+        note = ""
+        if tuning and tuning["shapes"]:
+            note = (
+                f" (tuning {tuning['seconds']:.1f} s: {tuning['timed']} of "
+                f"{tuning['shapes']} shapes timed)"
+            )
+        parts.append(f"{v['label']} {seconds:.1f} s{note}")
+    if not parts:
+        return ""
+    return "*Start-up* (engine construction: weights, tuning, caches): " + "; ".join(parts) + "."
+
+
 def markdown(results: dict[str, Any]) -> str:
     latent = any("step_vs_dense_kv" in v for v in results["variants"])
     scaling = any("decode_speedup_vs_tp1" in v for v in results["variants"])
@@ -178,6 +197,8 @@ def markdown(results: dict[str, Any]) -> str:
         )
     alone = any(v.get("alone") for v in results["variants"])
     lines += ["", _legend(latent, scaling, alone)]
+    startup = _startup(results["variants"])
+    lines += ["", startup] if startup else []
     return "\n".join(lines) + "\n"
 
 

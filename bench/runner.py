@@ -12,6 +12,7 @@ decode step must read over the memory bandwidth the bench measures.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -127,6 +128,9 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         link=link if v.tp > 1 else None,
         up_layout=v.up_layout,
         pack_weights=cfg.pack_weights,
+        # every row times its own products: no row's forms come from what an earlier
+        # run measured on a machine that may have been busier
+        tune_cache=False,
     )
     llm = engine_class(spec, ckpt, options)
     return llm, spec
@@ -182,6 +186,7 @@ class _Session:
         self.vocab = self.models.base.model.vocab_size
         self.engines: dict[tuple, Any] = {}
         self.specs: dict[tuple, Any] = {}
+        self.start_seconds: dict[tuple, float] = {}  # each engine's construction
         # Engines start behind a fast link; links given as a ratio are resolved once the
         # planner has measured a block here (it needs the real compute to set the rate).
         self.rates = {link: link if planner is None else FAST_LINK for link in cfg.links}
@@ -192,9 +197,11 @@ class _Session:
             if v.engine not in self.engines:
                 self.note(f"start {v.label}")
                 link = self.rates[v.link] if v.link else None
+                began = time.perf_counter()
                 self.engines[v.engine], self.specs[v.engine] = _start(
                     v, self.models, self.cfg, link
                 )
+                self.start_seconds[v.engine] = time.perf_counter() - began
 
     def resolve_links(self, results: dict[str, Any]) -> None:
         if not self.cfg.links:
@@ -258,6 +265,7 @@ class _Session:
 
     def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
         row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
+        row["start_seconds"] = self.start_seconds.get(v.engine)
         if self.planner and v.link:
             row["predicted"] = self.planner.predict(self.specs[v.engine], v, self.cfg)
         return row
@@ -330,6 +338,8 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "gemm_forms": rank0("gemm_forms"),
         # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
         "up_layout_used": rank0("plan_up_layout"),
+        # rank 0's start-up tuning: shapes, classes, timed, from the cache, seconds
+        "tuning": None if v.mode == "hf" else asdict(rank0("tuning_report")),
         # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
         "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
         # rank 0's weights kept only in a tuned form's layout (in place of the weight)

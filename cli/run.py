@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from cli.engine_options import add_engine_arguments, open_engine
+from cli.engine_options import add_engine_arguments, open_engine, tuned_note
 from dsl.errors import UserError
 
 
@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with open_engine(args) as llm:
         print(
-            f"loaded in {time.perf_counter() - start:.1f} s: tp {llm.spec.parallel.tp}, "
-            f"{llm.describe_path()}",
+            f"loaded in {time.perf_counter() - start:.1f} s{tuned_note(llm)}: tp "
+            f"{llm.spec.parallel.tp}, {llm.describe_path()}",
             file=sys.stderr,
             flush=True,
         )

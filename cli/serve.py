@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from cli.engine_options import add_engine_arguments, open_engine
+from cli.engine_options import add_engine_arguments, open_engine, tuned_note
 
 DEFAULT_MAX_QUEUE = 256  # requests waiting beyond the running batch before a 503
 SWITCH_INTERVAL_S = 0.0005
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineLoop(llm, ServerMetrics(), max_in_flight, on_fatal=fatal)
         app = build_app(llm, engine, name, args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         print(
-            f"loaded in {time.perf_counter() - start:.1f} s: model {name!r}, tp "
+            f"loaded in {time.perf_counter() - start:.1f} s{tuned_note(llm)}: model {name!r}, tp "
             f"{llm.spec.parallel.tp}, {llm.describe_path()}, {llm.blocks.num_blocks} KV blocks",
             file=sys.stderr,
             flush=True,

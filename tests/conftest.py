@@ -4,8 +4,12 @@ module is imported, so it is set here, first."""
 import os
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The engines' tuning cache in a folder of this run's own: no test reads what another
+# run (or the user) stored, and none writes under the home directory.
+os.environ["DEINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="deinfer-test-cache-")
 
 from pathlib import Path
 

@@ -58,6 +58,12 @@ class EngineOptions:
     # takes every row count (``CpuGemm.release``), else beside it; off, the tuner chooses
     # among the forms that read the weights as stored.
     pack_weights: bool = True
+    # Shapes tuning times at most; the others take the forms of their class's timed shape
+    # (``runtime.kernels.gemm_tuning``): start-up stays bounded however many distinct
+    # shapes per-layer ranks give.
+    tune_budget: int = 16
+    # Timings kept on disk (``DEINFER_CACHE_DIR``) so that a second start times nothing.
+    tune_cache: bool = True
     # A weight of absurd magnitude (``runtime.model.checkpoint``) is a warning, not an error.
     allow_extreme_weights: bool = False
 
@@ -140,6 +146,8 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(f"mode must be one of {', '.join(MODES)}, found {options.mode!r}")
     if options.path is not None and options.path not in PATHS:
         raise UserError(f"path must be one of {', '.join(PATHS)}, found {options.path!r}")
+    if options.tune_budget < 1:
+        raise UserError(f"tune_budget must be at least 1 shape, found {options.tune_budget}")
     if kv == "latent" and options.mode != "deinfer":
         raise UserError(
             "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"

@@ -36,6 +36,7 @@ from runtime.engine.request_checks import check_params, encode_prompt
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.engine.step_io import SeqInput
+from runtime.kernels.gemm_tuning import TuningReport
 from runtime.model.checkpoint import has_tokenizer
 
 log = logging.getLogger("deinfer.engine")
@@ -121,6 +122,10 @@ class LLM:
             link=self.link,
             heartbeat_s=self.options.heartbeat_s,
         )
+
+    def tuning(self) -> TuningReport:
+        """What start-up's tuning of the products did on rank 0."""
+        return self.workers.call("tuning_report")[0]
 
     def describe_path(self) -> str:
         """e.g. "dynamic path (eager kernels), 2 threads per rank"."""

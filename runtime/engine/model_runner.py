@@ -25,7 +25,14 @@ from runtime.engine.sampling import (
 )
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.engine.step_io import Piece, Sampled, SeqInput, prefill_chunks
-from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks, time_cpu_gemm
+from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks
+from runtime.kernels.gemm_tuning import (
+    TuningCache,
+    TuningProgress,
+    TuningReport,
+    cache_dir,
+    tune_cpu_gemm,
+)
 from runtime.kernels.huge_pages import return_freed_heap
 from runtime.kernels.loader import load_generated
 from runtime.model.eager_attention import LatentFactors
@@ -45,6 +52,7 @@ class ModelRunner:
         self.rank, self.config, self.spec = rank, config, config.spec
         self.options, self.facts = config.options, config.facts
         self.gemm = CpuGemm()
+        self.tuning = TuningReport()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -114,8 +122,16 @@ class ModelRunner:
         if not facts.static:
             model.prepare_eager()
             if options.tune_gemm and self.device.type == "cpu":
-                timings = time_cpu_gemm(model.matrices(), packing=options.pack_weights)
+                start = time.perf_counter()
+                timings, self.tuning = tune_cpu_gemm(
+                    model.matrices(),
+                    options.tune_budget,
+                    TuningCache(cache_dir()).load() if options.tune_cache else None,
+                    options.pack_weights,
+                    progress=TuningProgress() if self.rank == 0 else None,
+                )
                 timings = sum_over_ranks(timings, self.comm.group)
+                self.tuning.seconds = time.perf_counter() - start
                 self.gemm = choose(timings)
                 self.gemm.pack(model.matrices())
                 # a matrix multiplied only in its reordered form is kept in that form alone
@@ -284,6 +300,10 @@ class ModelRunner:
     def released_weight_bytes(self) -> int:
         """Bytes of the weights kept only in a tuned product's layout (no second copy)."""
         return self.gemm.released_bytes()
+
+    def tuning_report(self) -> TuningReport:
+        """What start-up's tuning did: shapes, shapes timed, from the cache, seconds."""
+        return self.tuning
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

@@ -73,6 +73,13 @@ class Form:
     def name(self) -> str:
         return f"blocked{self.block}" if self.kind == "blocked" else self.kind
 
+    @classmethod
+    def from_name(cls, name: str) -> Form:
+        """The form whose ``name`` this is."""
+        if name.startswith("blocked"):
+            return cls("blocked", int(name.removeprefix("blocked")))
+        return cls(name)
+
     @property
     def reorders(self) -> bool:
         """Whether the form multiplies by a copy of b in its own layout (``reorder``)."""
@@ -304,17 +311,21 @@ def time_cpu_gemm(
     reps: int = 2,
     cold_bytes: int = COLD_BYTES,
     packing: bool = True,
+    target_bytes: int | None = None,
 ) -> Timings:
     """Every form timed on the model's own matrices (b [K, N] views of [N, K] storage,
     as the dynamic path keeps them), per distinct shape and row bucket. Each pass reads
     ``cold_bytes`` of distinct matrices, or the whole model's where that is less: a model
-    that fits in the caches is multiplied from them in a real step too. ``packing``:
+    that fits in the caches is multiplied from them in a real step too (``target_bytes``:
+    the bytes a pass reads, where ``matrices`` are only some of the model's). ``packing``:
     "packed" among the forms (its choice keeps a reordered copy of the weights)."""
     groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for b in matrices:
         if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
             groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
-    target = min(cold_bytes, sum(_nbytes(b) for mats in groups.values() for b in mats))
+    target = target_bytes or min(
+        cold_bytes, sum(_nbytes(b) for mats in groups.values() for b in mats)
+    )
     timings: Timings = {}
     with torch.inference_mode():
         for key, mats in sorted(groups.items(), key=lambda kv: kv[0][:2]):

@@ -1,0 +1,293 @@
+"""Which weight shapes a start-up times, and what it already knows.
+
+``time_cpu_gemm`` costs a few seconds per distinct weight shape (every form, every row
+bucket, over hundreds of MB of weights). A uniform spec has a handful of shapes; a spec
+with per-layer ranks (``deinfer decompose --allocate``) has hundreds, and timing each of
+them made start-up grow with the shape count (1,087 s of tuning for 334 shapes against
+18 s for 8). Two things bound it here:
+
+- **Shape classes under a budget** (``shape_classes``): at most ``budget`` shapes are
+  timed. Shapes whose sides round to the same point of a geometric grid form a class (the
+  grid coarsens until the classes fit the budget); the class's representative is timed
+  and every member takes its forms' timings, restricted to the forms the member itself
+  can run. The products of neighbouring shapes rank their forms alike: what differs
+  between forms is how they stream the weight and how they block its columns, and that
+  changes slowly with the sides.
+- **A persistent cache** (``TuningCache``): timings keyed by machine (CPU model, torch,
+  threads, whether the native panels are built) and by shape, rows, repetitions, the
+  packing choice and the bytes a pass streams; a second start times nothing it knows.
+  ``DEINFER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/deinfer``, else ``~/.cache/deinfer``);
+  deleting the folder clears it. A file that does not parse, or that was written for
+  another machine or format, is ignored with one warning line and rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runtime.kernels.cpu_gemm import (
+    COLD_BYTES,
+    DECODE_ROWS,
+    Form,
+    Timings,
+    forms_for,
+    time_cpu_gemm,
+)
+from runtime.kernels.eager import stored_transposed
+from runtime.kernels.panel import panel_library
+
+log = logging.getLogger(__name__)
+
+ShapeKey = tuple[int, int, torch.dtype]
+# Shapes timed at most at start-up. cpu-135m and SmolLM2's uniform specs have 8 distinct
+# shapes at tp 1, cpu-demo 6: a uniform spec is timed shape by shape, as before.
+DEFAULT_BUDGET = 16
+# Grid ratios tried, finest first (1.0: every shape its own class).
+GRID_RATIOS = (1.0, 2 ** (1 / 8), 2 ** (1 / 4), 2 ** (1 / 2), 2.0, 4.0, 16.0, math.inf)
+CACHE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """``DEINFER_CACHE_DIR``, else ``deinfer`` under ``XDG_CACHE_HOME`` or ``~/.cache``."""
+    if os.environ.get("DEINFER_CACHE_DIR"):
+        return Path(os.environ["DEINFER_CACHE_DIR"])
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "deinfer"
+
+
+def _grid_point(x: int, ratio: float) -> int:
+    if ratio == 1.0:
+        return x
+    if math.isinf(ratio):
+        return 0
+    return round(math.log(x) / math.log(ratio))
+
+
+def shape_classes(weights: dict[ShapeKey, int], budget: int) -> dict[ShapeKey, ShapeKey]:
+    """Each shape's representative: the finest grid whose classes number at most
+    ``budget`` (dtypes never share a class); in a class, the shape holding the most
+    bytes of the model (its time matters most), ties to the larger shape.
+    ``weights``: bytes of the model's matrices per shape."""
+    if budget < 1:
+        raise ValueError(f"a tuning budget of {budget} shapes: it must be at least 1")
+    for ratio in GRID_RATIOS:
+        classes: dict[tuple, list[ShapeKey]] = {}
+        for key in sorted(weights, key=lambda k: (k[0], k[1], str(k[2]))):
+            k, n, dtype = key
+            classes.setdefault((_grid_point(k, ratio), _grid_point(n, ratio), dtype), [])
+            classes[(_grid_point(k, ratio), _grid_point(n, ratio), dtype)].append(key)
+        if len(classes) <= budget:
+            break
+    chosen = {}
+    for members in classes.values():
+        rep = max(members, key=lambda m: (weights[m], m[0] * m[1]))
+        chosen.update(dict.fromkeys(members, rep))
+    return chosen
+
+
+def machine_identity() -> dict[str, object]:
+    """What a timing depends on besides the shape: the CPU, torch, the threads, whether the
+    native panel kernel is built."""
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "format": CACHE_FORMAT,
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "panels": panel_library() is not None,
+    }
+
+
+@dataclass
+class TuningCache:
+    """Timings by shape for one machine identity, in one JSON file under ``root``."""
+
+    root: Path
+    identity: dict[str, object] = field(default_factory=machine_identity)
+    entries: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
+        return self.root / f"cpu-gemm-{digest[:16]}.json"
+
+    def load(self) -> TuningCache:
+        """The file's entries where it holds this identity's; else none, with a warning."""
+        self.entries = self._read() or {}
+        return self
+
+    def _read(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("tuning cache %s unreadable (%s): ignored", self.path, e)
+            return None
+        if not isinstance(data, dict) or data.get("identity") != self.identity:
+            log.warning("tuning cache %s is for another machine or format: ignored", self.path)
+            return None
+        entries = data.get("entries")
+        if not isinstance(entries, dict) or not all(_valid(v) for v in entries.values()):
+            log.warning("tuning cache %s has malformed entries: ignored", self.path)
+            return None
+        return entries
+
+    def save(self) -> None:
+        """Merged with what another process wrote meanwhile, then replaced atomically (a
+        reader sees the old file or the new one, never half of one)."""
+        merged = {**(self._read() or {}), **self.entries}
+        self.root.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"identity": self.identity, "entries": merged}, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".cpu-gemm-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.path)
+        self.entries = merged
+
+
+def _valid(entry: object) -> bool:
+    return isinstance(entry, dict) and all(
+        isinstance(forms, dict) and all(isinstance(t, (int, float)) for t in forms.values())
+        for forms in entry.values()
+    )
+
+
+@dataclass
+class TuningReport:
+    """What one start-up's tuning did: shapes in the model, shapes timed, cache hits."""
+
+    shapes: int = 0
+    classes: int = 0
+    timed: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """e.g. "tuned 334 shapes in 40.1 s: 16 timed, 0 from the cache"."""
+        if not self.shapes:
+            return "untuned"
+        return (
+            f"tuned {self.shapes} shape{'s' if self.shapes != 1 else ''} in "
+            f"{self.seconds:.1f} s: {self.timed} timed, {self.cached} from the cache"
+        )
+
+
+class TuningProgress:
+    """Start-up's tuning as it goes, on stderr: a bar on a terminal, a line per shape in
+    a log."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            if self.bar is None:
+                self.bar = tqdm(total=total, desc="tuning products", unit="shape", leave=False)
+            self.bar.update(1)
+            if done == total:
+                self.bar.close()
+        else:
+            print(f"tuning products: {done}/{total} shapes timed", file=sys.stderr, flush=True)
+
+
+def tune_cpu_gemm(
+    matrices: Iterable[torch.Tensor],
+    budget: int = DEFAULT_BUDGET,
+    cache: TuningCache | None = None,
+    packing: bool = True,
+    rows: tuple[int, ...] = DECODE_ROWS,
+    reps: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Timings, TuningReport]:
+    """``time_cpu_gemm``'s timings for every shape of ``matrices``, having timed at most
+    ``budget`` representatives and none that ``cache`` holds. ``progress(done, total)``
+    is called after each shape timed."""
+    groups: dict[ShapeKey, list[torch.Tensor]] = {}
+    for b in matrices:
+        if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
+            groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
+    nbytes = {key: sum(b.numel() * b.element_size() for b in mats) for key, mats in groups.items()}
+    rep_of = shape_classes(nbytes, budget) if groups else {}
+    timed = sorted(set(rep_of.values()), key=lambda k: (k[0], k[1], str(k[2])))
+    keys = _EntryKeys(rows, reps, packing, cold=min(COLD_BYTES, sum(nbytes.values())))
+    known = _cached(cache, keys, {key: forms_for(groups[key][0], packing) for key in timed})
+    report = TuningReport(shapes=len(groups), classes=len(timed), cached=len(known))
+    missing = [key for key in timed if key not in known]
+    for i, key in enumerate(missing):
+        known[key] = time_cpu_gemm(
+            groups[key], rows, reps, packing=packing, target_bytes=keys.cold
+        )[key]
+        if cache is not None:
+            cache.entries[keys(key)] = {
+                str(r): {f.name: t for f, t in fs.items()} for r, fs in known[key].items()
+            }
+        if progress is not None:
+            progress(i + 1, len(missing))
+    report.timed = len(missing)
+    if cache is not None and missing:
+        try:
+            cache.save()
+        except OSError as e:
+            log.warning("tuning cache %s not written (%s)", cache.path, e)
+    return {key: _as_member(known[rep_of[key]], groups[key][0], packing) for key in groups}, report
+
+
+@dataclass(frozen=True)
+class _EntryKeys:
+    """A shape's key in the cache, with everything else its timing depends on: the rows
+    timed, the repetitions, whether reordering forms were among the candidates, and the
+    bytes one pass streams (a model that fits in the caches is timed from them)."""
+
+    rows: tuple[int, ...]
+    reps: int
+    packing: bool
+    cold: int
+
+    def __call__(self, key: ShapeKey) -> str:
+        k, n, dtype = key
+        rows = ",".join(map(str, self.rows))
+        return f"{k}x{n} {dtype} rows={rows} reps={self.reps} pack={self.packing} cold={self.cold}"
+
+
+def _cached(
+    cache: TuningCache | None, keys: _EntryKeys, wanted: dict[ShapeKey, list[Form]]
+) -> dict[ShapeKey, dict[int, dict[Form, float]]]:
+    """The timings ``cache`` holds of the ``wanted`` shapes, where they cover every row
+    and every form the shape can run."""
+    found = {}
+    for key, forms in wanted.items():
+        entry = cache.entries.get(keys(key)) if cache is not None else None
+        names = {f.name for f in forms}
+        if entry is None or not all(names <= set(entry.get(str(r), {})) for r in keys.rows):
+            continue
+        found[key] = {
+            r: {Form.from_name(f): t for f, t in entry[str(r)].items()} for r in keys.rows
+        }
+    return found
+
+
+def _as_member(
+    per_rows: dict[int, dict[Form, float]], b: torch.Tensor, packing: bool
+) -> dict[int, dict[Form, float]]:
+    """The representative's timings of the forms that member b can run."""
+    allowed = set(forms_for(b, packing))
+    return {r: {f: t for f, t in fs.items() if f in allowed} for r, fs in per_rows.items()}
