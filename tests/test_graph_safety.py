@@ -112,7 +112,8 @@ class FirstProduct(TorchDispatchMode):
             chain, frame = [], sys._getframe(1)
             while frame is not None and frame.f_code is not ModelRunner.step.__code__:
                 name = frame.f_code.co_filename
-                if name.startswith(self.roots) and "/tests/" not in name:
+                ours = name.startswith(self.roots) and "site-packages" not in name
+                if ours and "/tests/" not in name:  # not a venv inside the checkout (CI's)
                     chain.append(f"{Path(name).stem}.{frame.f_code.co_name}")
                 frame = frame.f_back
             assert frame is not None, "the product was not reached from ModelRunner.step"
