@@ -126,7 +126,7 @@ def test_a_bad_cache_file_is_ignored_with_a_warning_and_rewritten(tmp_path, capl
 
 def test_malformed_entries_are_not_trusted(tmp_path, caplog):
     cache = TuningCache(tmp_path)
-    _, _ = tune_cpu_gemm(_matrices([(8, 16)]), cache=cache.load(), rows=(1,), reps=1)
+    tune_cpu_gemm(_matrices([(8, 16)]), cache=cache.load(), rows=(1,), reps=1)
     data = json.loads(cache.path.read_text())
     key = next(iter(data["entries"]))
     data["entries"][key] = {"1": {"mm": "fast"}}

@@ -73,13 +73,6 @@ class Form:
     def name(self) -> str:
         return f"blocked{self.block}" if self.kind == "blocked" else self.kind
 
-    @classmethod
-    def from_name(cls, name: str) -> Form:
-        """The form whose ``name`` this is."""
-        if name.startswith("blocked"):
-            return cls("blocked", int(name.removeprefix("blocked")))
-        return cls(name)
-
     @property
     def reorders(self) -> bool:
         """Whether the form multiplies by a copy of b in its own layout (``reorder``)."""
@@ -259,7 +252,8 @@ class CpuGemm:
         }
 
 
-Timings = dict[tuple[int, int, torch.dtype], dict[int, dict[Form, float]]]
+ShapeKey = tuple[int, int, torch.dtype]
+Timings = dict[ShapeKey, dict[int, dict[Form, float]]]
 
 
 def _pass_time(
@@ -291,14 +285,23 @@ def _time_forms(
     return {f: statistics.median(t) for f, t in times.items()}
 
 
-def _nbytes(b: torch.Tensor) -> int:
+def nbytes_of(b: torch.Tensor) -> int:
     return b.numel() * b.element_size()
+
+
+def group_by_shape(matrices: Iterable[torch.Tensor]) -> dict[ShapeKey, list[torch.Tensor]]:
+    """The matrices tuned products take (CPU, b [K, N] views of [N, K]), by shape."""
+    groups: dict[ShapeKey, list[torch.Tensor]] = {}
+    for b in matrices:
+        if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
+            groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
+    return groups
 
 
 def _cold_sample(mats: list[torch.Tensor], target: int) -> list[torch.Tensor]:
     """At least ``target`` bytes of distinct matrices of one shape: the model's own, then
     copies of them (a pass that met the same matrix twice would time it from cache)."""
-    count = max(1, math.ceil(target / _nbytes(mats[0])))
+    count = max(1, math.ceil(target / nbytes_of(mats[0])))
     sample = mats[:count]
     while len(sample) < count:
         sample.append(mats[len(sample) % len(mats)].t().clone().t())
@@ -319,13 +322,8 @@ def time_cpu_gemm(
     that fits in the caches is multiplied from them in a real step too (``target_bytes``:
     the bytes a pass reads, where ``matrices`` are only some of the model's). ``packing``:
     "packed" among the forms (its choice keeps a reordered copy of the weights)."""
-    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
-    for b in matrices:
-        if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
-            groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
-    target = target_bytes or min(
-        cold_bytes, sum(_nbytes(b) for mats in groups.values() for b in mats)
-    )
+    groups = group_by_shape(matrices)
+    target = target_bytes or min(cold_bytes, sum(nbytes_of(b) for g in groups.values() for b in g))
     timings: Timings = {}
     with torch.inference_mode():
         for key, mats in sorted(groups.items(), key=lambda kv: kv[0][:2]):

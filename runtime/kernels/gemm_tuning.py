@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -42,16 +41,18 @@ from runtime.kernels.cpu_gemm import (
     COLD_BYTES,
     DECODE_ROWS,
     Form,
+    ShapeKey,
     Timings,
     forms_for,
+    group_by_shape,
+    nbytes_of,
     time_cpu_gemm,
 )
-from runtime.kernels.eager import stored_transposed
+from runtime.kernels.native_build import cpu_identity
 from runtime.kernels.panel import panel_library
 
 log = logging.getLogger(__name__)
 
-ShapeKey = tuple[int, int, torch.dtype]
 # Shapes timed at most at start-up. cpu-135m and SmolLM2's uniform specs have 8 distinct
 # shapes at tp 1, cpu-demo 6: a uniform spec is timed shape by shape, as before.
 DEFAULT_BUDGET = 16
@@ -87,8 +88,8 @@ def shape_classes(weights: dict[ShapeKey, int], budget: int) -> dict[ShapeKey, S
         classes: dict[tuple, list[ShapeKey]] = {}
         for key in sorted(weights, key=lambda k: (k[0], k[1], str(k[2]))):
             k, n, dtype = key
-            classes.setdefault((_grid_point(k, ratio), _grid_point(n, ratio), dtype), [])
-            classes[(_grid_point(k, ratio), _grid_point(n, ratio), dtype)].append(key)
+            point = (_grid_point(k, ratio), _grid_point(n, ratio), dtype)
+            classes.setdefault(point, []).append(key)
         if len(classes) <= budget:
             break
     chosen = {}
@@ -99,17 +100,11 @@ def shape_classes(weights: dict[ShapeKey, int], budget: int) -> dict[ShapeKey, S
 
 
 def machine_identity() -> dict[str, object]:
-    """What a timing depends on besides the shape: the CPU, torch, the threads, whether the
-    native panel kernel is built."""
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    """What a timing depends on besides the shape: the CPU (model and feature flags),
+    torch, the threads, whether the native panel kernel is built."""
     return {
         "format": CACHE_FORMAT,
-        "cpu": cpu,
+        "cpu": cpu_identity(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "panels": panel_library() is not None,
@@ -221,11 +216,8 @@ def tune_cpu_gemm(
     """``time_cpu_gemm``'s timings for every shape of ``matrices``, having timed at most
     ``budget`` representatives and none that ``cache`` holds. ``progress(done, total)``
     is called after each shape timed."""
-    groups: dict[ShapeKey, list[torch.Tensor]] = {}
-    for b in matrices:
-        if b.device.type == "cpu" and b.dim() == 2 and stored_transposed(b):
-            groups.setdefault((b.shape[0], b.shape[1], b.dtype), []).append(b)
-    nbytes = {key: sum(b.numel() * b.element_size() for b in mats) for key, mats in groups.items()}
+    groups = group_by_shape(matrices)
+    nbytes = {key: sum(map(nbytes_of, mats)) for key, mats in groups.items()}
     rep_of = shape_classes(nbytes, budget) if groups else {}
     timed = sorted(set(rep_of.values()), key=lambda k: (k[0], k[1], str(k[2])))
     keys = _EntryKeys(rows, reps, packing, cold=min(COLD_BYTES, sum(nbytes.values())))
@@ -279,10 +271,15 @@ def _cached(
         names = {f.name for f in forms}
         if entry is None or not all(names <= set(entry.get(str(r), {})) for r in keys.rows):
             continue
-        found[key] = {
-            r: {Form.from_name(f): t for f, t in entry[str(r)].items()} for r in keys.rows
-        }
+        found[key] = {r: {_form_named(f): t for f, t in entry[str(r)].items()} for r in keys.rows}
     return found
+
+
+def _form_named(name: str) -> Form:
+    """The form whose ``Form.name`` this is (the cache stores names)."""
+    if name.startswith("blocked"):
+        return Form("blocked", int(name.removeprefix("blocked")))
+    return Form(name)
 
 
 def _as_member(

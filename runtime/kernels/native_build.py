@@ -24,8 +24,9 @@ NATIVE = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
+def cpu_identity() -> str:
+    """What -march=native compiles for, and what a timing on this CPU depends on: the
+    CPU's model and feature flags (one model name covers VMs with and without AVX-512)."""
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         return "\n".join(
@@ -69,7 +70,7 @@ def cached_library(source: Path, what: str) -> ctypes.CDLL | None:
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()):
         key.update(part + b"\0")
-    key.update(_cpu_identity().encode())
+    key.update(cpu_identity().encode())
     target = _cache_root() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         return compile_and_load(compiler, source, target)
