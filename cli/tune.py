@@ -1,4 +1,5 @@
-"""``deinfer-tune`` / ``deinfer tune``: tune a spec's generated kernels on this GPU."""
+"""``deinfer-tune`` / ``deinfer tune``: tune a spec's generated kernels on this GPU, or
+(``--checkpoint``) fill this CPU's tuning cache for a checkpoint ahead of time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from dsl import load_spec
 from dsl.errors import UserError
+from runtime.kernels.gemm_tuning import DEFAULT_BUDGET
 from tune.space import TUNABLE_FAMILIES, search_space, shared_memory_limit
 from tune.store import CONFIG_ROOT, normalise_device_name
 
@@ -30,6 +32,22 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-name", default=None, help="default: this machine's GPU")
     p.add_argument("--out-root", type=Path, default=CONFIG_ROOT, help="config store root")
     p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="CPU: time this checkpoint's products as a start-up would and keep the timings "
+        "in the tuning cache ($DEINFER_CACHE_DIR), so that a start with the same --tp, "
+        "--threads and --tune-budget times nothing",
+    )
+    p.add_argument("--tp", type=int, default=None, help="with --checkpoint (default: the spec's)")
+    p.add_argument("--threads", type=int, default=None, help="with --checkpoint: per rank")
+    p.add_argument(
+        "--tune-budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help=f"with --checkpoint: shapes timed at most per machine (default {DEFAULT_BUDGET})",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list the search space and the files it would write; time nothing",
@@ -37,6 +55,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        return fill_cpu_cache(args)
     import torch
 
     from codegen.generate import generate, write_atomically
@@ -94,6 +114,19 @@ def run_tune(args: argparse.Namespace) -> int:
         f"tuned {len(results)} of {len(jobs)} kernels for {normalise_device_name(device)}; "
         f"regenerate with deinfer-gen {args.spec} --device-name '{device}'"
     )
+    return 0
+
+
+def fill_cpu_cache(args: argparse.Namespace) -> int:
+    """Start the engine once with the tuning cache on, and close it: what it timed stays."""
+    from runtime.engine.config import EngineOptions
+    from runtime.engine.llm import LLM
+    from runtime.kernels.gemm_tuning import cache_dir
+
+    options = EngineOptions(tp=args.tp, threads=args.threads, tune_budget=args.tune_budget)
+    with LLM(str(args.spec), str(args.checkpoint), options) as llm:
+        report, tp = llm.tuning(), llm.spec.parallel.tp
+    print(f"{report.describe()}; kept in {cache_dir()} for starts at tp {tp}")
     return 0
 
 

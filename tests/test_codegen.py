@@ -98,6 +98,43 @@ def test_check_lists_stale_files_and_exits_1(tmp_path):
         assert name in bad.stderr
 
 
+def _per_layer_ranks(raw: dict, layers: int) -> dict:
+    """``raw`` with ``layers`` layers, each with ranks of its own (as ``--allocate`` writes)."""
+    raw = yaml.safe_load(yaml.safe_dump(raw))
+    raw["name"] = "per-layer"
+    raw["model"]["num_layers"] = layers
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    raw["decomposition"]["overrides"] = [
+        {"layers": [i], "ranks": {n: 3 + i + j for j, n in enumerate(names)}} for i in range(layers)
+    ]
+    return raw
+
+
+def test_generated_files_do_not_grow_with_the_layer_shapes(tmp_path):
+    uniform = yaml.safe_load((SPECS / "tiny-llama.yaml").read_text())
+    few = generate(parse_spec(yaml.safe_dump(_per_layer_ranks(uniform, 2))))
+    many = generate(parse_spec(yaml.safe_dump(_per_layer_ranks(uniform, 24))))
+    assert len(json.loads(many.files["manifest.json"])["layer_shapes"]) == 24
+    base = generate(parse_spec(yaml.safe_dump(uniform)))
+    assert len(many.files) == len(few.files) == len(base.files)
+    # and --check still sees a hand edit of one layer shape's entry in a shared file
+    spec_dir, root = tmp_path / "specs", tmp_path / "generated"
+    spec_dir.mkdir()
+    (spec_dir / "per-layer.yaml").write_text(yaml.safe_dump(_per_layer_ranks(uniform, 24)))
+    assert (
+        deinfer_cli("gen", str(spec_dir / "per-layer.yaml"), "--out-root", str(root)).returncode
+        == 0
+    )
+    check = ("gen", "--check", "--specs-dir", str(spec_dir), "--out-root", str(root))
+    assert deinfer_cli(*check).returncode == 0
+    victim = root / "per-layer" / "down_proj.py"
+    text = victim.read_text()
+    assert text.count("DownProj(") == 2 * 24  # an entry per (group, layer shape)
+    victim.write_text(text.replace("in_features=", "in_features=1 + ", 1))
+    bad = deinfer_cli(*check)
+    assert bad.returncode == 1 and "down_proj.py" in bad.stderr
+
+
 INJECTIONS = [
     ("name", lambda r: r.update(name='x"""; import os; os.system(\'id\') #')),
     ("norm kind", lambda r: r["model"].update(norm={"kind": "rms\nimport os"})),

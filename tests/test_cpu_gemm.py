@@ -24,7 +24,7 @@ from runtime.kernels.cpu_gemm import (
     forms_for,
     time_cpu_gemm,
 )
-from tests.tp_workers import tune_gemm_pair
+from tests.tp_workers import tune_gemm_shared
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -158,15 +158,27 @@ def test_tuning_measures_every_shape_and_bucket_once():
     assert all(name in {f.name for f in forms_for(mats[0])} for name in table["32x256"].values())
 
 
-def test_the_ranks_of_a_group_choose_the_same_forms():
+def test_the_ranks_of_a_machine_tune_together_and_choose_the_same_forms():
     same = [[(64, 512), (128, 256)]] * 2
-    results = launch(tune_gemm_pair, 2, same, timeout_s=120)
-    (table0, own0), (table1, own1) = results
-    assert table0 == table1 and not own0 and not own1  # summed, so one choice for both
-    uneven = [[(64, 512)], [(64, 256)]]  # a shard split unevenly: each keeps its own
-    results = launch(tune_gemm_pair, 2, uneven, timeout_s=120)
-    assert [own for _, own in results] == [True, True]
+    (table0, counts0, t0), (table1, counts1, t1) = launch(
+        tune_gemm_shared, 2, same, 16, timeout_s=120
+    )
+    assert table0 == table1 and t0 == t1  # one timing per shape, shared
+    assert counts0[:3] == counts1[:3] == (2, 2, 2)
+    assert counts0[3] + counts1[3] == 2  # the two shapes dealt out, one to each rank
+    uneven = [[(64, 512)], [(64, 256)]]  # a shard split unevenly: each its own shape
+    results = launch(tune_gemm_shared, 2, uneven, 16, timeout_s=120)
     assert set(results[0][0]) == {"64x512"} and set(results[1][0]) == {"64x256"}
+    assert [r[1] for r in results] == [(1, 2, 2, 1), (1, 2, 2, 1)]
+
+
+def test_the_budget_bounds_a_machine_not_a_rank():
+    """Two ranks with 30 shapes of their own each: the machine times at most the budget."""
+    shapes = [[(64 + 2 * i + rank, 48) for i in range(30)] for rank in range(2)]
+    results = launch(tune_gemm_shared, 2, shapes, 6, timeout_s=120)
+    (_, (shapes0, classes, timed, here0), _), (_, (_, _, _, here1), _) = results
+    assert shapes0 == 30 and 1 <= classes <= 6 and timed == classes
+    assert here0 + here1 == timed and abs(here0 - here1) <= 1
 
 
 def test_tuning_without_packing_never_offers_the_reordered_weight():

@@ -149,10 +149,13 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_path, monkeypatch):
     """A model whose every layer has its own ranks (≥ 50 distinct factor shapes): the
-    first start times at most the budget, the second none, and both decode alike."""
+    first start times at most the budget, the second none, and both decode alike; a
+    cache filled ahead of time by ``deinfer tune --checkpoint`` leaves a start nothing
+    to time."""
     from compress.decompose import model_section
     from runtime.engine.llm import LLM
     from runtime.engine.sequence import SamplingParams
+    from tests.conftest import deinfer_cli
     from tests.hf_models import build_hf, decompose_with_cli, tiny_runtime
 
     monkeypatch.setenv("DEINFER_CACHE_DIR", str(tmp_path / "cache"))
@@ -199,3 +202,12 @@ def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_pat
     assert 1 <= first.timed <= 5 and first.cached == 0
     assert (second.timed, second.cached) == (0, first.classes)
     assert outputs[0] == outputs[1]
+
+    # ``deinfer tune --checkpoint`` fills a cache ahead of time: a start after it times none
+    monkeypatch.setenv("DEINFER_CACHE_DIR", str(tmp_path / "ahead"))
+    lowrank = str(tmp_path / "lowrank")
+    ahead = deinfer_cli("tune", str(spec_path), "--checkpoint", lowrank, "--tune-budget", "5")
+    assert ahead.returncode == 0, ahead.stderr
+    assert f"{first.timed} timed, 0 from the cache" in ahead.stdout
+    with LLM(str(spec_path), lowrank, tp=1, tune_budget=5) as llm:
+        assert (llm.tuning().timed, llm.tuning().cached) == (0, first.classes)

@@ -24,19 +24,27 @@ def _randn(*shape, dtype, seed):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+def _shapes(kernel_files) -> list[tuple[str, object]]:
+    """Every (group, layer shape) entry of the generated files, with a name for messages."""
+    return [
+        (f"{kf.file_name} {key}", entry)
+        for kf in kernel_files
+        for key, entry in import_kernel(kf).SHAPES.items()
+    ]
+
+
 @given(spec_dicts(), st.integers(1, 40), DTYPES, st.integers(0, 2**31 - 1))
 def test_down_proj_matches_reference(raw, m, dtype, seed):
-    ctx = context(raw)
-    for kf in down_proj.generate(ctx):
-        mod = import_kernel(kf)
-        k, w = kf.values["in_features"], kf.values["width"]
+    files = down_proj.generate(context(raw))
+    for name, shape in _shapes(files):
+        k, w = shape.in_features, shape.width
         x = _randn(m, k, dtype=dtype, seed=seed)
         weight = _randn(k, w, dtype=dtype, seed=seed + 1) / math.sqrt(k)
         nw = _randn(k, dtype=dtype, seed=seed + 2)
-        nb = _randn(k, dtype=dtype, seed=seed + 3) if kf.values["norm"] == "layer" else None
-        got = mod.down_proj(x, weight, torch.empty(m, w, dtype=dtype), nw, nb)
-        want = mod.torch_reference(x, weight, torch.empty(m, w, dtype=torch.float32), nw, nb)
-        assert_close(got, want, dtype, kf.file_name)
+        nb = _randn(k, dtype=dtype, seed=seed + 3) if files[0].values["norm"] == "layer" else None
+        got = shape.down_proj(x, weight, torch.empty(m, w, dtype=dtype), nw, nb)
+        want = shape.torch_reference(x, weight, torch.empty(m, w, dtype=torch.float32), nw, nb)
+        assert_close(got, want, dtype, name)
 
 
 def test_down_proj_without_norm_weight_is_plain_norm():
@@ -52,10 +60,9 @@ def test_down_proj_without_norm_weight_is_plain_norm():
         },
         "decomposition": {"ranks": {n: 7 for n in ("q", "k", "v", "o", "gate", "up", "down")}},
     }
-    kf = down_proj.generate(context(raw))[0]
-    mod = import_kernel(kf)
+    shape = import_kernel(down_proj.generate(context(raw))[0]).SHAPES[("attn", "s0")]
     x, w = torch.randn(5, 40) * 3 + 1, torch.randn(40, 21)
-    got = mod.down_proj(x, w, torch.empty(5, 21))
+    got = shape.down_proj(x, w, torch.empty(5, 21))
     want = (x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) @ w  # independent RMSNorm
     assert_close(got, want, torch.float32)
 
@@ -63,11 +70,9 @@ def test_down_proj_without_norm_weight_is_plain_norm():
 @given(spec_dicts(), st.integers(1, 24), DTYPES, st.integers(0, 2**31 - 1))
 def test_latent_up_chunks_sum_to_gather_then_gemm(raw, m, dtype, seed):
     ctx = context(raw)
-    for kf in latent_up.generate(ctx):
-        mod = import_kernel(kf)
-        chunk, tp = kf.values["chunk"], kf.values["tp"]
-        ranks = kf.values["ranks"]
-        widths = [w for w in kf.values["out_widths"][: len(ranks)]]
+    for name, shape in _shapes(latent_up.generate(ctx)):
+        chunk, tp, ranks = shape.chunk, ctx.tp, shape.ranks
+        widths = shape.out_widths[: len(ranks)]
         us = tuple(
             _randn(r, n, dtype=dtype, seed=seed + i) / math.sqrt(r)
             for i, (r, n) in enumerate(zip(ranks, widths, strict=True))
@@ -78,11 +83,11 @@ def test_latent_up_chunks_sum_to_gather_then_gemm(raw, m, dtype, seed):
         ref_accs = tuple(torch.zeros(m, n) for n in widths)
         for j in range(tp):
             piece = latent[:, j * chunk : (j + 1) * chunk]  # a strided view, like a real chunk
-            mod.latent_up_chunk(piece, j, us, accs)
-            mod.torch_reference(piece, j, us, ref_accs)
+            shape.latent_up_chunk(piece, j, us, accs)
+            shape.torch_reference(piece, j, us, ref_accs)
         want = reference.latent_up_gathered(latent, us, ranks)
         for got, ref, w in zip(accs, ref_accs, want, strict=True):
-            assert_close(got, w, dtype, kf.file_name)
+            assert_close(got, w, dtype, name)
             assert_close(ref, w, torch.float32, "reference")
 
 
@@ -126,7 +131,9 @@ COPY_CASES = {
 
 
 def _copy_kernel(width: int, block_size: int):
-    return import_kernel(kv_copy.copy_kernel_file(width, block_size))
+    """The block copy of ``width`` from a file serving it and two other widths."""
+    module = import_kernel(kv_copy.copy_kernel_file([width + 5, width, 3], block_size))
+    return module.WIDTHS[width]
 
 
 @pytest.mark.parametrize("case", list(COPY_CASES))

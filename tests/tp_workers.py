@@ -87,10 +87,10 @@ def run_overlapped_up(rank, world, folder, group, shape_id, m, seed):
 
     registry = load_generated(folder).KERNELS
     module = registry.module("latent_up", (group, shape_id))
-    ranks, widths = module.RANKS, [module.N0.value, module.N1.value, module.N2.value]
+    ranks, widths = module.ranks, module.out_widths
     g = torch.Generator().manual_seed(seed)  # the same factors on every rank
     ups = tuple(torch.randn(r, n, generator=g) for r, n in zip(ranks, widths, strict=False))
-    chunk = module.CHUNK.value
+    chunk = module.chunk
     full = torch.randn(m, chunk * world, generator=g)
     full[:, sum(ranks) :] = 0
     local = full[:, rank * chunk : (rank + 1) * chunk].contiguous()
@@ -207,17 +207,21 @@ def mixed_layout_all_reduce(rank, world, shape):
     return out
 
 
-def tune_gemm_pair(rank, world, shapes_per_rank):
-    """``time_cpu_gemm`` on this rank's shapes, then ``sum_over_ranks``: returns the
-    chosen forms and whether the summed timings are the ranks' own (uneven shapes)."""
-    from runtime.kernels.cpu_gemm import choose, sum_over_ranks, time_cpu_gemm
+def tune_gemm_shared(rank, world, shapes_per_rank, budget):
+    """``tune_cpu_gemm`` over this rank's shapes, the ranks tuning together: returns the
+    chosen forms, the report's counts and this rank's timings by shape."""
+    from runtime.kernels.cpu_gemm import choose
+    from runtime.kernels.gemm_tuning import tune_cpu_gemm
 
     torch.manual_seed(rank)
-    shapes = shapes_per_rank[rank]
-    mats = [torch.randn(n, k).t() for k, n in shapes]  # [K, N] views of [N, K] storage
-    own = time_cpu_gemm(mats, rows=(1, 4), reps=1)
-    summed = sum_over_ranks(own)
-    return choose(summed).describe(), summed == own
+    mats = [torch.randn(n, k).t() for k, n in shapes_per_rank[rank]]  # [K, N] of [N, K]
+    timings, report = tune_cpu_gemm(mats, budget, rows=(1, 4), reps=1)
+    counts = (report.shapes, report.classes, report.timed, report.timed_here)
+    by_shape = {
+        key[:2]: {r: {f.name: t for f, t in fs.items()} for r, fs in per_rows.items()}
+        for key, per_rows in timings.items()
+    }
+    return choose(timings).describe(), counts, by_shape
 
 
 def shm_all_gather(rank, world, cases, seed):

@@ -50,37 +50,19 @@ def _specialisations(module) -> list[tuple[object, dict]]:
     """(jit function, constexpr values) for every specialisation the runtime launches,
     without the meta-parameters."""
     name = module.__name__.rsplit(".", 1)[-1]
-    if name.startswith("down_proj_"):
+    if name == "down_proj":  # the sides are launch arguments: one variant for all shapes
         layer = module.NORM_KIND.value == 2
         return [(module._down_proj_kernel, {"HAS_NORM_WEIGHT": True, "HAS_NORM_BIAS": layer})]
-    if name.startswith("latent_up_"):
-        out = []
-        for (d0, s0, w0), (d1, s1, w1), (d2, s2, w2) in module.SEGMENTS:
-            if w0 or w1 or w2:
-                out.append(
-                    (
-                        module._latent_up_chunk_kernel,
-                        {
-                            "DST0": d0,
-                            "SRC0": s0,
-                            "W0": w0,
-                            "DST1": d1,
-                            "SRC1": s1,
-                            "W1": w1,
-                            "DST2": d2,
-                            "SRC2": s2,
-                            "W2": w2,
-                        },
-                    )
-                )
-        return out
+    if name == "latent_up":  # segments are launch arguments too
+        return [(module._latent_up_chunk_kernel, {})]
     if name.startswith("gemm_"):
         return [
             (module._gemm_fixed_kernel, {"COUNT_WORK": False, "K": k, "N": n})
             for k, n in module.CONFIGS
         ]
-    if name.startswith("kv_copy_"):
-        return [(module._kv_block_copy_kernel, {})]
+    if name == "kv_copy":  # a variant per power of two of the widths
+        widths = {1 << (w - 1).bit_length() for w in module.WIDTHS}
+        return [(module._kv_block_copy_kernel, {"WIDTH_P2": p2}) for p2 in sorted(widths)]
     if name.startswith("rope_"):
         return [(module._rope_kernel, {})]
     if name.startswith("paged_attention_"):
@@ -94,6 +76,8 @@ def variants(module) -> list[tuple[object, dict, dict]]:
     configs = getattr(module, "CONFIGS", None) or {}
     if module.__name__.rsplit(".", 1)[-1].startswith("gemm_"):  # (K, N) -> bucket -> meta
         configs = {(shape, b): cfg for shape, table in configs.items() for b, cfg in table.items()}
+    for key, shape in getattr(module, "SHAPES", {}).items():  # (group, shape) -> bucket -> meta
+        configs.update({(key, b): cfg for b, cfg in shape.configs.items()})
     metas = []
     for cfg in configs.values():
         if cfg not in metas:

@@ -69,7 +69,7 @@ def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda")
                         }
                     )
             for key, mod in registry.down_proj.items():
-                k, w = mod.IN_FEATURES.value, mod.WIDTH.value
+                k, w = mod.in_features, mod.width
                 x = torch.randn(16, k, device=dev, dtype=dtype)
                 weight = torch.randn(k, w, device=dev, dtype=dtype) / math.sqrt(k)
                 nw = torch.ones(k, device=dev, dtype=dtype)
@@ -80,15 +80,15 @@ def kernel_checks(spec_paths: list[Path], dtype: torch.dtype, dev: str = "cuda")
                     {"spec": gen.spec.name, "kernel": f"down_proj {key}", "ok": ok, "err": err}
                 )
             for key, mod in registry.latent_up.items():
-                widths = [mod.N0.value, mod.N1.value, mod.N2.value][: len(mod.RANKS)]
+                widths = mod.out_widths[: len(mod.ranks)]
                 ups = tuple(
                     torch.randn(r, n, device=dev, dtype=dtype) / math.sqrt(r)
-                    for r, n in zip(mod.RANKS, widths, strict=True)
+                    for r, n in zip(mod.ranks, widths, strict=True)
                 )
-                chunk = mod.CHUNK.value
+                chunk = mod.chunk
                 accs = tuple(torch.zeros(8, n, device=dev) for n in widths)
                 refs = tuple(torch.zeros(8, n, device=dev) for n in widths)
-                for j in range(len(mod.SEGMENTS)):
+                for j in range(len(mod.segments)):
                     piece = torch.randn(8, chunk, device=dev, dtype=dtype)
                     mod.latent_up_chunk(piece, j, ups, accs)
                     mod.torch_reference(piece, j, ups, refs)
@@ -159,7 +159,8 @@ def tune_checks(budget_s: float, out: Path) -> dict:
         for job, table in tuned.items():
             for rows, meta in table.items():
                 mod = modules[job.file]
-                default = mod.CONFIGS[min(mod.CONFIGS, key=lambda b: (abs(b - rows), -b))]
+                configs = job.configs(mod)
+                default = configs[min(configs, key=lambda b: (abs(b - rows), -b))]
                 report.append(
                     {
                         "kernel": job.file,

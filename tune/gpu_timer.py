@@ -20,26 +20,27 @@ def _inputs(module: ModuleType, job: TuneJob, rows: int, dtype: torch.dtype):
         out = torch.empty(rows, n, device=dev, dtype=dtype)
         n_valid = torch.tensor([rows], device=dev, dtype=torch.int32)
         return lambda meta: module.gemm_fixed(a, b, out, n_valid, meta=meta)
+    kernel = job.kernel(module)
     if family == "down_proj":
-        k, w = module.IN_FEATURES.value, module.WIDTH.value
+        k, w = kernel.in_features, kernel.width
         x = torch.randn(rows, k, device=dev, dtype=dtype)
         weight = torch.randn(k, w, device=dev, dtype=dtype)
         norm = torch.ones(k, device=dev, dtype=dtype)
         out = torch.empty(rows, w, device=dev, dtype=dtype)
-        return lambda meta: module.down_proj(x, weight, out, norm, meta=meta)
+        return lambda meta: kernel.down_proj(x, weight, out, norm, meta=meta)
     if family == "latent_up":
-        widths = [module.N0.value, module.N1.value, module.N2.value][: len(module.RANKS)]
+        widths = kernel.out_widths[: len(kernel.ranks)]
         ups = tuple(
             torch.randn(r, n, device=dev, dtype=dtype)
-            for r, n in zip(module.RANKS, widths, strict=True)
+            for r, n in zip(kernel.ranks, widths, strict=True)
         )
-        chunk = torch.randn(rows, module.CHUNK.value, device=dev, dtype=dtype)
+        chunk = torch.randn(rows, kernel.chunk, device=dev, dtype=dtype)
         accs = tuple(torch.zeros(rows, n, device=dev, dtype=torch.float32) for n in widths)
         # The chunk with the most work stands for all.
         index = max(
-            range(len(module.SEGMENTS)), key=lambda j: sum(s[2] for s in module.SEGMENTS[j])
+            range(len(kernel.segments)), key=lambda j: sum(s[2] for s in kernel.segments[j])
         )
-        return lambda meta: module.latent_up_chunk(chunk, index, ups, accs, meta=meta)
+        return lambda meta: kernel.latent_up_chunk(chunk, index, ups, accs, meta=meta)
     raise ValueError(f"{family} is not tunable")
 
 

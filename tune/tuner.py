@@ -30,6 +30,18 @@ class TuneJob:
     file: str  # the kernel's file in the generated folder
     n: int
     k: int
+    entry: tuple[str, str] | None = None  # (group, layer shape) in a file serving several
+
+    def kernel(self, module):
+        """What launches this job in ``module``: the shape's entry where the module serves
+        several shapes (down_proj, latent_up), else the module."""
+        return module.SHAPES[self.entry] if self.entry is not None else module
+
+    def configs(self, module) -> dict:
+        """The generated meta-parameters of this job, by row bucket."""
+        if self.family == "gemm_fixed":
+            return module.CONFIGS[(self.k, self.n)]
+        return self.kernel(module).configs
 
     def path(self, device: str, root: Path = CONFIG_ROOT) -> Path:
         return config_path(device, self.family, self.shape_key, root)
@@ -43,7 +55,8 @@ def jobs_from_manifest(folder: Path, families: tuple[str, ...] = TUNABLE_FAMILIE
         if kernel["family"] not in families or "configs" not in kernel:
             continue
         n, k = _dims(kernel)
-        jobs.append(TuneJob(kernel["family"], kernel["shape_key"], kernel["file"], n, k))
+        entry = (kernel["group"], kernel["shape_id"]) if "shape_id" in kernel else None
+        jobs.append(TuneJob(kernel["family"], kernel["shape_key"], kernel["file"], n, k, entry))
     return jobs
 
 

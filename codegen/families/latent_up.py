@@ -1,16 +1,14 @@
-"""Latent all-gather overlapped with the up-projection: one file per (layer shape, group),
-carrying the per-chunk segment table."""
+"""Latent all-gather overlapped with the up-projection: one file for every (layer shape,
+group), each carrying its per-chunk segment table (the file count does not grow with the
+layers)."""
 
 from __future__ import annotations
 
 from codegen.families.context import GenContext
 from codegen.render import KernelFile
 
+FILE_NAME = "latent_up.py"
 SLOTS = 3  # at most q, k, v (or gate, up) per group
-
-
-def file_name(shape_id: str, group: str) -> str:
-    return f"latent_up_{group}_{shape_id}.py"
 
 
 def segment_table(cat, tp: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -26,36 +24,33 @@ def segment_table(cat, tp: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
 
 
 def generate(ctx: GenContext) -> list[KernelFile]:
-    files = []
+    shapes = []
     for lp in ctx.layer_plans("deinfer"):
-        shape_id = lp.shape_id
         for cat in lp.concats:
             widths = [lp.factor(f"{name}.u").local_shape(0)[1] for name, _ in cat.members]
             key = f"c{cat.width}_" + "_".join(
                 f"{n}{r}x{w}" for (n, r), w in zip(cat.members, widths, strict=True)
             )
-            widths += [0] * (SLOTS - len(widths))
             choice = ctx.meta("latent_up", key, max(widths), cat.width)
-            values = {
-                "group": cat.name,
-                "shape_id": shape_id,
-                "tp": ctx.tp,
-                "chunk": cat.width,
-                "out_widths": widths,
-                "ranks": tuple(r for _, r in cat.members),
-                "members_doc": " | ".join(f"z_{n} ({r})" for n, r in cat.members),
-                "slots_doc": ", ".join(f"{i} = U_{n}" for i, (n, _) in enumerate(cat.members)),
-                "segments": segment_table(cat, ctx.tp),
-                "configs": choice.configs,
-                "meta_source": choice.source,
-            }
-            files.append(
-                KernelFile(
-                    "latent_up",
-                    file_name(shape_id, cat.name),
-                    "latent_up.py.j2",
-                    values,
-                    {"shape_key": key, "configs": choice.configs, "meta_source": choice.source},
-                )
+            shapes.append(
+                {
+                    "group": cat.name,
+                    "shape_id": lp.shape_id,
+                    "shape_key": key,
+                    "chunk": cat.width,
+                    "ranks": tuple(r for _, r in cat.members),
+                    "out_widths": tuple(widths + [0] * (SLOTS - len(widths))),
+                    "members": " | ".join(f"z_{n} ({r})" for n, r in cat.members),
+                    "segments": segment_table(cat, ctx.tp),
+                    "configs": choice.configs,
+                    "meta_source": choice.source,
+                }
             )
-    return files
+    if not shapes:
+        return []
+    manifest = [
+        {k: s[k] for k in ("group", "shape_id", "shape_key", "configs", "meta_source")}
+        for s in shapes
+    ]
+    values = {"tp": ctx.tp, "shapes": shapes}
+    return [KernelFile("latent_up", FILE_NAME, "latent_up.py.j2", values, manifest)]

@@ -15,21 +15,12 @@ def _module(file_name: str) -> str:
 
 def generate(ctx: GenContext) -> list[KernelFile]:
     spec = ctx.spec
-    concat_kernels = []
-    for lp in ctx.layer_plans("deinfer"):
-        sid = lp.shape_id
-        for cat in lp.concats:
-            concat_kernels.append(
-                (
-                    cat.name,
-                    sid,
-                    _module(down_proj.file_name(sid, cat.name)),
-                    _module(latent_up.file_name(sid, cat.name)),
-                )
-            )
+    concat_kernels = any(lp.concats for lp in ctx.layer_plans("deinfer"))
     d, bs = spec.model.head_dim, spec.runtime.block_size
     values = {
         "concat_kernels": concat_kernels,
+        "down_module": _module(down_proj.FILE_NAME),
+        "up_module": _module(latent_up.FILE_NAME),
         "gemms": list(gemm_fixed.gemm_shapes(ctx)),
         "gemm_module": _module(gemm_fixed.FILE_NAME),
         "ropes": [(h, _module(rope.rope_file_name(h, d))) for h in rope.rope_head_counts(ctx)]
@@ -39,8 +30,7 @@ def generate(ctx: GenContext) -> list[KernelFile]:
             (h, kv, _module(paged_attention.file_name(h, kv, d, bs)))
             for h, kv in paged_attention.head_layouts(ctx)
         ],
-        "kv_copies": [
-            (w, _module(kv_copy.copy_file_name(w, bs))) for w in kv_copy.latent_widths(ctx)
-        ],
+        "kv_copies": bool(kv_copy.latent_widths(ctx)),
+        "kv_copy_module": _module(kv_copy.FILE_NAME),
     }
     return [KernelFile("registry", "kernels.py", "kernels.py.j2", values)]

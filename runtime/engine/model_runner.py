@@ -25,7 +25,7 @@ from runtime.engine.sampling import (
 )
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.engine.step_io import Piece, Sampled, SeqInput, prefill_chunks
-from runtime.kernels.cpu_gemm import CpuGemm, choose, sum_over_ranks
+from runtime.kernels.cpu_gemm import CpuGemm, choose
 from runtime.kernels.gemm_tuning import (
     TuningCache,
     TuningProgress,
@@ -129,8 +129,8 @@ class ModelRunner:
                     TuningCache(cache_dir()).load() if options.tune_cache else None,
                     options.pack_weights,
                     progress=TuningProgress() if self.rank == 0 else None,
+                    group=self.comm.group,
                 )
-                timings = sum_over_ranks(timings, self.comm.group)
                 self.tuning.seconds = time.perf_counter() - start
                 self.gemm = choose(timings)
                 self.gemm.pack(model.matrices())

@@ -1,6 +1,8 @@
 """The kernel registry that generated code fills in, and backend selection.
 
-Every generated kernel module exposes three implementations with one signature:
+Every generated kernel (a module, or the entry of one shape in a module that serves a
+family's shapes: down_proj, latent_up, kv_copy) exposes three implementations with one
+signature:
 its launcher (the Triton kernel), ``torch_reference`` (plain torch, graph-safe at the
 static shapes: the test oracle) and ``torch_eager`` (plain torch that reads counts on the
 host and works on the real rows only: the CPU path); ``backend`` picks one."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 from dsl.buckets import nearest_bucket
 
@@ -33,16 +36,20 @@ LAUNCHERS = {
 }
 
 
+# A generated module, or one shape's entry of a module that serves several.
+Kernel = ModuleType | Any
+
+
 @dataclass(frozen=True)
 class KernelRegistry:
-    down_proj: dict[tuple[str, str], ModuleType] = field(default_factory=dict)
-    latent_up: dict[tuple[str, str], ModuleType] = field(default_factory=dict)
-    gemm: dict[tuple[int, int], ModuleType] = field(default_factory=dict)
-    rope: dict[int, ModuleType] = field(default_factory=dict)
-    paged_attention: dict[tuple[int, int], ModuleType] = field(default_factory=dict)
-    kv_copy: dict[int, ModuleType] = field(default_factory=dict)
+    down_proj: dict[tuple[str, str], Kernel] = field(default_factory=dict)
+    latent_up: dict[tuple[str, str], Kernel] = field(default_factory=dict)
+    gemm: dict[tuple[int, int], Kernel] = field(default_factory=dict)
+    rope: dict[int, Kernel] = field(default_factory=dict)
+    paged_attention: dict[tuple[int, int], Kernel] = field(default_factory=dict)
+    kv_copy: dict[int, Kernel] = field(default_factory=dict)
 
-    def module(self, family: str, key) -> ModuleType:
+    def module(self, family: str, key) -> Kernel:
         table = getattr(self, family)
         if key not in table:
             raise KeyError(f"no generated {family} kernel for {key}; regenerate with deinfer-gen")

@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from dsl.buckets import nearest_bucket
 from runtime.kernels.eager import (
@@ -51,8 +50,11 @@ BLOCKS = (128, 256, 512)  # column-block widths tried (each that divides N at le
 # does (each weight is used once per step, after the whole rest of the model). The AMD
 # EPYC above has 32 MB of L3; on the Xeon a 64 MB buffer was read at 52 GB/s, from
 # 128 MB on at 24-26 GB/s, the memory's rate. With 32 MB passes the Xeon timed its
-# products from cache and chose forms 1.3x slower in a real step than the best.
-COLD_BYTES = 256 << 20
+# products from cache and chose forms 1.3x slower in a real step than the best. On the
+# EPYC, passes of 32, 64, 128 and 256 MB timed each form within 5 % per matrix
+# (576x25, 576x529, 192x576; 1, 8, 64 rows), so 128 MB, half of the 256 used before,
+# halves start-up's tuning and stays at the memory's rate on both machines.
+COLD_BYTES = 128 << 20
 # oneDNN reorders a weight for a row count; from 4 rows on every count gives the same
 # layout (576 x 3072 at 1-64 rows within 3%), one row a 1.5x slower one.
 PACK_ROWS = 16
@@ -336,25 +338,6 @@ def time_cpu_gemm(
             timings[key] = {r: _time_forms(forms, sample, copies, r, reps) for r in rows}
             del sample, copies
     return timings
-
-
-def sum_over_ranks(timings: Timings, group: dist.ProcessGroup | None = None) -> Timings:
-    """The ranks' timings summed, where every rank timed the same shapes: the ranks of a
-    tensor-parallel group then choose the same forms, by their combined cost (a step
-    waits for the slowest rank, and one rank's noisy timing no longer decides alone)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return timings
-    layout = [(key[:2], r, f.name) for key, t in timings.items() for r, fs in t.items() for f in fs]
-    layouts: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, layout, group=group)
-    if any(other != layout for other in layouts):
-        return timings  # uneven shards: each rank keeps its own choice
-    flat = torch.tensor([v for t in timings.values() for fs in t.values() for v in fs.values()])
-    dist.all_reduce(flat, group=group)
-    values = iter(flat.tolist())
-    return {
-        key: {r: {f: next(values) for f in fs} for r, fs in t.items()} for key, t in timings.items()
-    }
 
 
 def _fastest(per_rows: dict[int, dict[Form, float]]) -> dict[int, Form]:

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from runtime.kernels.cpu_gemm import (
@@ -168,21 +170,24 @@ def _valid(entry: object) -> bool:
 
 @dataclass
 class TuningReport:
-    """What one start-up's tuning did: shapes in the model, shapes timed, cache hits."""
+    """What one start-up's tuning did: this rank's shapes; the classes, shapes timed and
+    cache hits of its machine (whose ranks tune together); the shapes this rank timed."""
 
     shapes: int = 0
     classes: int = 0
     timed: int = 0
     cached: int = 0
+    timed_here: int = 0
     seconds: float = 0.0
 
     def describe(self) -> str:
-        """e.g. "tuned 334 shapes in 40.1 s: 16 timed, 0 from the cache"."""
+        """e.g. "tuned 288 shapes in 20.1 s: 16 timed (6 by this rank), 0 from the cache"."""
         if not self.shapes:
             return "untuned"
+        share = f" ({self.timed_here} by this rank)" if self.timed_here != self.timed else ""
         return (
             f"tuned {self.shapes} shape{'s' if self.shapes != 1 else ''} in "
-            f"{self.seconds:.1f} s: {self.timed} timed, {self.cached} from the cache"
+            f"{self.seconds:.1f} s: {self.timed} timed{share}, {self.cached} from the cache"
         )
 
 
@@ -212,35 +217,118 @@ def tune_cpu_gemm(
     rows: tuple[int, ...] = DECODE_ROWS,
     reps: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[Timings, TuningReport]:
     """``time_cpu_gemm``'s timings for every shape of ``matrices``, having timed at most
     ``budget`` representatives and none that ``cache`` holds. ``progress(done, total)``
-    is called after each shape timed."""
+    is called after each shape this rank timed.
+
+    The ranks of ``group`` that run on one machine tune together: the classes are made
+    over all their shapes, the shapes to time are dealt out among them, and every rank
+    gets every timing. A host's start-up then times at most ``budget`` shapes however
+    many ranks it runs, and ranks holding equal shapes choose equal forms."""
     groups = group_by_shape(matrices)
     nbytes = {key: sum(map(nbytes_of, mats)) for key, mats in groups.items()}
-    rep_of = shape_classes(nbytes, budget) if groups else {}
-    timed = sorted(set(rep_of.values()), key=lambda k: (k[0], k[1], str(k[2])))
-    keys = _EntryKeys(rows, reps, packing, cold=min(COLD_BYTES, sum(nbytes.values())))
-    known = _cached(cache, keys, {key: forms_for(groups[key][0], packing) for key in timed})
-    report = TuningReport(shapes=len(groups), classes=len(timed), cached=len(known))
-    missing = [key for key in timed if key not in known]
-    for i, key in enumerate(missing):
-        known[key] = time_cpu_gemm(
-            groups[key], rows, reps, packing=packing, target_bytes=keys.cold
-        )[key]
-        if cache is not None:
-            cache.entries[keys(key)] = {
-                str(r): {f.name: t for f, t in fs.items()} for r, fs in known[key].items()
-            }
+    host = _HostRanks.of(group)
+    host_bytes, host_cold = host.merged_bytes(nbytes)
+    rep_of = shape_classes(host_bytes, budget) if host_bytes else {}
+    timed = sorted(set(rep_of.values()), key=_order)
+    keys = _EntryKeys(rows, reps, packing, cold=min(COLD_BYTES, host_cold))
+    known = _cached(cache, keys, {key: forms_for(_like(key), packing) for key in timed})
+    missing = host.union([key for key in timed if key not in known])
+    mine = missing[host.index :: host.size]
+    entries = {}
+    for i, key in enumerate(mine):
+        sample = groups.get(key) or [_synthetic(key)]
+        own = time_cpu_gemm(sample, rows, reps, packing=packing, target_bytes=keys.cold)[key]
+        entries[keys(key)] = {str(r): {f.name: t for f, t in fs.items()} for r, fs in own.items()}
         if progress is not None:
-            progress(i + 1, len(missing))
-    report.timed = len(missing)
-    if cache is not None and missing:
+            progress(i + 1, len(mine))
+    entries = host.merged_entries(entries)
+    for key in missing:
+        known[key] = _from_entry(entries[keys(key)])
+    report = TuningReport(
+        len(groups), len(timed), len(missing), len(timed) - len(missing), len(mine)
+    )
+    if cache is not None and missing and host.index == 0:
+        cache.entries.update(entries)
         try:
             cache.save()
         except OSError as e:
             log.warning("tuning cache %s not written (%s)", cache.path, e)
     return {key: _as_member(known[rep_of[key]], groups[key][0], packing) for key in groups}, report
+
+
+def _order(key: ShapeKey) -> tuple[int, int, str]:
+    return key[0], key[1], str(key[2])
+
+
+def _like(key: ShapeKey) -> torch.Tensor:
+    """An (unset) matrix of the shape, stored as the dynamic path stores its weights: what
+    ``forms_for`` reads of a shape."""
+    k, n, dtype = key
+    return torch.empty(n, k, dtype=dtype).t()
+
+
+def _synthetic(key: ShapeKey) -> torch.Tensor:
+    """A matrix of a shape another rank of this machine holds: a product's time depends on
+    the shape, the dtype and the layout, not on the values."""
+    k, n, dtype = key
+    return torch.randn(n, k).to(dtype).t()
+
+
+@dataclass(frozen=True)
+class _HostRanks:
+    """The ranks of a group that run on this machine (same host name and machine
+    identity), and this rank's place among them. Every rank of the group takes part in
+    each exchange, so the calls stay collective across machines."""
+
+    group: dist.ProcessGroup | None
+    world: int
+    members: tuple[int, ...]  # group ranks on this machine
+    index: int  # this rank's place in ``members``
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> _HostRanks:
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return cls(None, 1, (0,), 0)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        machines = cls._gather(group, world, (socket.gethostname(), machine_identity()))
+        members = tuple(r for r in range(world) if machines[r] == machines[rank])
+        return cls(group, world, members, members.index(rank))
+
+    @staticmethod
+    def _gather(group: dist.ProcessGroup | None, world: int, item: object) -> list:
+        out: list[object] = [None] * world
+        dist.all_gather_object(out, item, group=group)
+        return out
+
+    def _from_host(self, item: object) -> list:
+        if self.world == 1:
+            return [item]
+        everyone = self._gather(self.group, self.world, item)
+        return [everyone[r] for r in self.members]
+
+    def merged_bytes(self, nbytes: dict[ShapeKey, int]) -> tuple[dict[ShapeKey, int], int]:
+        """The bytes per shape over this machine's ranks, and the most one rank holds
+        (what one pass of a rank's decode step streams)."""
+        merged: dict[ShapeKey, int] = {}
+        per_rank = self._from_host(nbytes)
+        for theirs in per_rank:
+            for key, size in theirs.items():
+                merged[key] = merged.get(key, 0) + size
+        return merged, max(sum(theirs.values()) for theirs in per_rank)
+
+    def union(self, keys: list[ShapeKey]) -> list[ShapeKey]:
+        """The shapes any rank of this machine misses (their caches may differ)."""
+        return sorted({k for theirs in self._from_host(keys) for k in theirs}, key=_order)
+
+    def merged_entries(self, entries: dict[str, dict]) -> dict[str, dict]:
+        return {k: v for theirs in self._from_host(entries) for k, v in theirs.items()}
 
 
 @dataclass(frozen=True)
@@ -271,8 +359,13 @@ def _cached(
         names = {f.name for f in forms}
         if entry is None or not all(names <= set(entry.get(str(r), {})) for r in keys.rows):
             continue
-        found[key] = {r: {_form_named(f): t for f, t in entry[str(r)].items()} for r in keys.rows}
+        found[key] = _from_entry({str(r): entry[str(r)] for r in keys.rows})
     return found
+
+
+def _from_entry(entry: dict[str, dict[str, float]]) -> dict[int, dict[Form, float]]:
+    """A cache entry's timings, by row count and form."""
+    return {int(r): {_form_named(f): t for f, t in fs.items()} for r, fs in entry.items()}
 
 
 def _form_named(name: str) -> Form:
