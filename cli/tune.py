@@ -55,8 +55,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    if args.checkpoint is not None:
-        return fill_cpu_cache(args)
+    """CPU tuning cache (``--checkpoint``) or the GPU kernels' meta-parameters."""
+    return fill_cpu_cache(args) if args.checkpoint is not None else tune_gpu_kernels(args)
+
+
+def tune_gpu_kernels(args: argparse.Namespace) -> int:
     import torch
 
     from codegen.generate import generate, write_atomically

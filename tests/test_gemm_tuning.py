@@ -147,18 +147,12 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "home" / ".cache" / "deinfer"
 
 
-def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_path, monkeypatch):
-    """A model whose every layer has its own ranks (≥ 50 distinct factor shapes): the
-    first start times at most the budget, the second none, and both decode alike; a
-    cache filled ahead of time by ``deinfer tune --checkpoint`` leaves a start nothing
-    to time."""
+def _per_layer_model(tmp_path):
+    """A tiny Llama whose every layer has ranks of its own, decomposed into
+    ``tmp_path/lowrank``; returns its spec's path."""
     from compress.decompose import model_section
-    from runtime.engine.llm import LLM
-    from runtime.engine.sequence import SamplingParams
-    from tests.conftest import deinfer_cli
     from tests.hf_models import build_hf, decompose_with_cli, tiny_runtime
 
-    monkeypatch.setenv("DEINFER_CACHE_DIR", str(tmp_path / "cache"))
     kwargs = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -190,6 +184,20 @@ def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_pat
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(raw))
     decompose_with_cli(tmp_path / "dense", spec_path, tmp_path / "lowrank")
+    return spec_path
+
+
+def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_path, monkeypatch):
+    """A model whose every layer has its own ranks (≥ 50 distinct factor shapes): the
+    first start times at most the budget, the second none, and both decode alike; a
+    cache filled ahead of time by ``deinfer tune --checkpoint`` leaves a start nothing
+    to time."""
+    from runtime.engine.llm import LLM
+    from runtime.engine.sequence import SamplingParams
+    from tests.conftest import deinfer_cli
+
+    monkeypatch.setenv("DEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    spec_path = _per_layer_model(tmp_path)
 
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outputs, reports = [], []
