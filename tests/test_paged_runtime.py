@@ -119,7 +119,7 @@ def _attend_both(tables, lens, backend, heads=4, kv_heads=2, d=8, bs=4, width=12
     )
     plan = plan_compaction(tables, lens, bs, max_blocks, 16, rows)
     compact = torch.full((16, bs, width), float("nan"))
-    copy = import_kernel(kv_copy.copy_kernel_file(width, bs))
+    copy = import_kernel(kv_copy.copy_kernel_file([width], bs)).WIDTHS[width]
     attn = import_kernel(paged_attention.kernel_file(heads, kv_heads, d, bs))
     if backend == "triton":
         copy.kv_block_copy(latent, compact, plan.copy_list, plan.num_runs)
