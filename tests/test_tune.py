@@ -125,11 +125,16 @@ def test_gen_bakes_tuned_configs_and_says_so(tmp_path):
     write_table(job.path("NVIDIA H200", root), {1: META, 8: {**META, "BLOCK_M": 16}}, {})
     gen = generate(parse_spec(text, "tiny-llama"), device="NVIDIA H200 NVL", config_root=root)
     manifest = json.loads(gen.files["manifest.json"])
-    sources = {k["file"]: k["meta_source"] for k in manifest["kernels"] if "meta_source" in k}
-    assert sources[job.file].startswith("tuned: NVIDIA_H200/")
+    sources = {
+        (k["file"], k.get("group"), k.get("shape_id"), k["shape_key"]): k["meta_source"]
+        for k in manifest["kernels"]
+        if "meta_source" in k
+    }
+    key = (job.file, *(job.entry or (None, None)), job.shape_key)
+    assert sources[key].startswith("tuned: NVIDIA_H200/")
     assert sum(s.startswith("default") for s in sources.values()) == len(sources) - 1
     assert manifest["device"] == "NVIDIA_H200"
-    assert "'BLOCK_M': 32" in gen.files[job.file]
+    assert "'BLOCK_M': 32" in gen.files[job.file]  # the defaults use 16 and 64
 
 
 def test_dry_run_lists_space_and_files():
