@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dsl.errors import UserError
 from dsl.plan import MODES
+from dsl.ranks import RULES
 
 FORCE_HELP = (
     "replace --out even if it holds files this command did not write (never the source, "
@@ -121,15 +122,24 @@ def add_fidelity(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, type=Path, help="dense transformers folder")
     p.add_argument("--out", required=True, type=Path, help="folder for results.json/.md")
-    p.add_argument("--methods", default="svd,asvd,svd-llm")
     p.add_argument(
-        "--cuts", default="0.05,0.1,0.2,0.4", help="rank cuts (smaller_dim_fraction ratios)"
+        "--methods",
+        default="svd,asvd,svd-llm",
+        help="comma list of methods, each optionally with +seq (sequential calibration) "
+        "and +refit (up factors refitted), e.g. svd-llm+seq+refit",
     )
+    p.add_argument("--cuts", default="0.05,0.1,0.2,0.4", help="comma list of --rule ratios")
     p.add_argument(
-        "--allocate-cut",
-        type=float,
-        default=0.2,
-        help="also svd-llm with --allocate at this cut (negative: skip)",
+        "--rule",
+        default="smaller_dim_fraction",
+        choices=RULES,
+        help="what a cut removes: rank (smaller_dim_fraction) or parameters (param_count)",
+    )
+    p.add_argument("--rank-multiple", type=int, default=1)
+    p.add_argument(
+        "--allocate-cuts",
+        default="0.2",
+        help="comma list of cuts at which every method also runs with --allocate (empty: none)",
     )
     p.add_argument("--calib", default="self:16")
     p.add_argument("--calib-len", type=int, default=96)
@@ -144,19 +154,24 @@ def add_fidelity(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_fidelity)
 
 
+def _numbers(option: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise UserError(f"{option} {text}: expected comma-separated numbers") from None
+
+
 def run_fidelity(args: argparse.Namespace) -> int:
     from compress.report import FidelityConfig, fidelity_table
 
     methods = tuple(m for m in args.methods.split(",") if m)
-    try:
-        cuts = tuple(float(c) for c in args.cuts.split(",") if c)
-    except ValueError:
-        raise UserError(f"--cuts {args.cuts}: expected comma-separated numbers") from None
     cfg = FidelityConfig(
         model=args.model,
         methods=methods,
-        cuts=cuts,
-        allocate_cut=args.allocate_cut if args.allocate_cut >= 0 else None,
+        cuts=_numbers("--cuts", args.cuts),
+        rule=args.rule,
+        allocate_cuts=_numbers("--allocate-cuts", args.allocate_cuts),
+        rank_multiple=args.rank_multiple,
         calib=args.calib,
         calib_len=args.calib_len,
         seed=args.seed,

@@ -11,6 +11,12 @@ from dsl import load_spec, parse_spec
 from dsl.errors import SpecError, UserError
 from dsl.ranks import RULES
 
+# Ranks on a grid of 8: an 8-wide row is one 32-byte vector in fp32 (16 bytes in bf16),
+# the N of a tensor-core tile, and --allocate then writes few distinct layer shapes (each
+# costs tuning at start-up and an entry in the generated files). Measured on SmolLM2-135M
+# (param_count 20 %, svd-llm, self:64 x 128, --allocate): see docs/COMPRESSION.md.
+DEFAULT_RANK_MULTIPLE = 8
+
 
 def add_decompose(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,7 +29,12 @@ def add_decompose(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-out", type=Path, help="write a spec for the model instead")
     p.add_argument("--ratio", type=float, help="with --spec-out: fraction removed, e.g. 0.4")
     p.add_argument("--rule", default="smaller_dim_fraction", choices=RULES)
-    p.add_argument("--rank-multiple", type=int, default=1)
+    p.add_argument(
+        "--rank-multiple",
+        type=int,
+        default=DEFAULT_RANK_MULTIPLE,
+        help=f"ranks are multiples of this (default {DEFAULT_RANK_MULTIPLE}; 1: any rank)",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--name", default=None, help="with --spec-out: spec name")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -33,6 +44,12 @@ def add_decompose(sub: argparse._SubParsersAction) -> None:
         help="replace --out even if it holds files deinfer decompose did not write (never "
         "--model, nor a folder holding it or the current folder)",
     )
+    _add_data_aware_options(p)
+    p.set_defaults(func=run_decompose)
+
+
+def _add_data_aware_options(p: argparse.ArgumentParser) -> None:
+    """The method and what feeds it: calibration data, allocation, corrections."""
     p.add_argument(
         "--method",
         default="svd",
@@ -57,7 +74,18 @@ def add_decompose(sub: argparse._SubParsersAction) -> None:
         help="spend the spec's parameter count where the spectra say it matters most; "
         "the allocated ranks are written as a spec to SPEC_OUT and used",
     )
-    p.set_defaults(func=run_decompose)
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="calibrate each layer on the inputs the compressed layers below it produce "
+        "(needs --calib)",
+    )
+    p.add_argument(
+        "--refit",
+        action="store_true",
+        help="refit each up factor by least squares to the dense outputs on the calibration "
+        "tokens (needs --calib)",
+    )
 
 
 def run_decompose(args: argparse.Namespace) -> int:
@@ -89,7 +117,7 @@ def run_decompose(args: argparse.Namespace) -> int:
 def decompose_with_options(args: argparse.Namespace, spec, spec_text: str) -> Path:
     from compress.calibration import CalibrationSource
     from compress.decompose import decompose
-    from compress.pipeline import Calibrated, Calibration, allocate, allocated_spec
+    from compress.pipeline import Calibrated, Calibration, allocate, allocated_spec, dense_count
 
     method = getattr(args, "method", "svd")
     calib = getattr(args, "calib", None)
@@ -111,21 +139,22 @@ def decompose_with_options(args: argparse.Namespace, spec, spec_text: str) -> Pa
         args.allocate.write_text(text)
         print(
             f"wrote {args.allocate}: ranks for {allocation.used:,} of {allocation.budget:,} "
-            "factor parameters"
+            f"parameters ({dense_count(allocation)} matrices kept dense)"
         )
-    stats = calibrated.stats_for(spec, method)
+    how = calibrated.factorization(
+        spec, method, alpha, getattr(args, "sequential", False), getattr(args, "refit", False)
+    )
     out = decompose(
         args.model,
         spec,
         args.out,
         dtype=args.dtype,
         progress=progress,
-        method=method,
-        stats=stats,
-        alpha=alpha,
+        how=how,
         record=calibrated.record,
         force=getattr(args, "force", False),
     )
+    stats = how.stats
     if stats and method == "svd-llm":
         from compress.decompose import whitening_shifts
 

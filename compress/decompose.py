@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,14 @@ import yaml
 from tqdm import tqdm
 
 from compress.calibration import INPUT_OF
-from compress.factorize import InputStats, factorize
+from compress.factorize import InputStats, factorize, refit_up
 from compress.output import (
     FORMAT,
     DecomposedWriter,
     check_output_folder,
     staged_folder,
 )
+from compress.sequential import Factors
 from dsl import Spec
 from dsl.errors import SpecError
 from dsl.spec import ModelConfig
@@ -157,7 +159,19 @@ def svd_factors(w_math: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
     return factorize(w_math, rank, "svd")
 
 
-def _layer_factors(reader, m, names, i: int, ranks, method: str, stats, alpha: float) -> dict:
+@dataclass(frozen=True)
+class Factorization:
+    """How each matrix becomes D·U: the method, its calibration statistics (None for
+    svd), the up-factor refit, and factors made beforehand (sequential calibration)."""
+
+    method: str = "svd"
+    stats: dict[tuple[int, str], InputStats] | None = None
+    alpha: float = 0.5
+    refit: bool = False
+    made: Factors | None = None
+
+
+def _layer_factors(reader, m, names, i: int, ranks, how: Factorization) -> dict:
     """Layer ``i``'s projections: factors where the spec gives a rank, else dense."""
     tensors: dict[str, torch.Tensor] = {}
     for matrix in m.matrices:
@@ -167,8 +181,7 @@ def _layer_factors(reader, m, names, i: int, ranks, method: str, stats, alpha: f
         if r is None:
             tensors[f"{base}.weight"] = stored
         else:
-            inputs = stats.get((i, INPUT_OF[matrix])) if stats else None
-            d, u = factorize(stored.t(), r, method, inputs, alpha)
+            d, u = _factors(stored.t(), r, how, i, matrix)
             tensors[f"{base}.v.weight"] = d.t()
             tensors[f"{base}.u.weight"] = u.t()
         if has_bias(m, matrix):
@@ -177,24 +190,33 @@ def _layer_factors(reader, m, names, i: int, ranks, method: str, stats, alpha: f
     return tensors
 
 
+def _factors(w_math: torch.Tensor, rank: int, how: Factorization, i: int, matrix: str):
+    if how.made is not None:
+        return how.made[(i, matrix)]
+    inputs = how.stats.get((i, INPUT_OF[matrix])) if how.stats else None
+    d, u = factorize(w_math, rank, how.method, inputs, how.alpha)
+    if how.refit and inputs is not None:
+        u = refit_up(d, w_math, inputs)
+    return d, u
+
+
 def decompose(
     model_dir: str | Path,
     spec: Spec,
     out_dir: str | Path,
     dtype: str = "float32",
     progress: bool = True,
-    method: str = "svd",
-    stats: dict[tuple[int, str], InputStats] | None = None,
-    alpha: float = 0.5,
+    how: Factorization | None = None,
     record: dict[str, Any] | None = None,
     force: bool = False,
 ) -> Path:
     """Write the decomposed checkpoint of ``model_dir`` for ``spec`` into ``out_dir``
     (a new or empty folder, or one ``deinfer decompose`` wrote; any other with ``force``).
 
-    ``stats`` (from ``compress.calibration``) feed the data-aware methods;
+    ``how`` (default: plain SVD) says how each matrix is factorised;
     ``record`` (how the checkpoint was made) goes into config.json beside the ranks,
     with the diagonal shift of every Gram matrix that needed one."""
+    how = how or Factorization()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_folder(out_dir, TOOL, (model_dir,), force)  # before any work
     config = read_hf_config(model_dir)
@@ -209,7 +231,7 @@ def decompose(
         for i, ranks in enumerate(
             tqdm(spec.decomposition.layers, desc="decompose", unit="layer", disable=not progress)
         ):
-            tensors = _layer_factors(reader, m, names, i, ranks, method, stats, alpha)
+            tensors = _layer_factors(reader, m, names, i, ranks, how)
             tensors.update({k: reader.read(k) for k in layer_norm_names(m, names, i)})
             writer.write(tensors)
         writer.write({k: reader.read(k) for k in model_level_names(m, names)})
@@ -219,11 +241,13 @@ def decompose(
             "format": FORMAT,
             "spec": spec.name,
             "ranks": [layer.as_dict() for layer in spec.decomposition.layers],
-            "method": method,
+            "method": how.method,
+            "sequential": how.made is not None,
+            "refit": how.refit,
             **(record or {}),
         }
-        if method == "svd-llm" and stats:
-            config["deinfer"]["whitening_shifts"] = whitening_shifts(stats)
+        if how.method == "svd-llm" and how.stats:
+            config["deinfer"]["whitening_shifts"] = whitening_shifts(how.stats)
         writer.finish(config)
         copy_tokenizer(model_dir, tmp)
     return out_dir

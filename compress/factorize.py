@@ -111,20 +111,46 @@ def _transformed(w_math: torch.Tensor, method: str, stats: InputStats | None, al
     return s.T @ w, lambda d: torch.linalg.solve_triangular(s.T, d, upper=True)
 
 
+def refit_up(d: torch.Tensor, w_math: torch.Tensor, stats: InputStats) -> torch.Tensor:
+    """The up factor U [r, out] minimising ‖X·W − X'·D·U‖_F for a fixed down factor D:
+    the normal equations (Dᵀ·X'ᵀX'·D)·U = Dᵀ·X'ᵀX·W, in fp64, from the statistics alone
+    (X' = X when they were collected without ``cross``). For svd-llm on X's own
+    statistics this is the U it already has; it helps where D was chosen for another
+    norm (svd, asvd) or another input (sequential calibration). A ridge of 1e-10 of the
+    mean diagonal keeps a rank-deficient X'·D solvable."""
+    if stats.gram is None:
+        raise ValueError("refitting needs the Gram matrix")
+    d64, w = d.to(torch.float64), w_math.to(torch.float64)
+    cross = stats.cross if stats.cross is not None else stats.gram
+    lhs = d64.T @ stats.gram @ d64
+    rhs = d64.T @ (cross @ w)
+    ridge = 1e-10 * float(lhs.diagonal().mean().clamp_min(1e-300))
+    lhs = lhs + ridge * torch.eye(lhs.shape[0], dtype=lhs.dtype)
+    return torch.linalg.solve(lhs, rhs).float()
+
+
 class InputStats:
     """Streaming statistics of one projection's input x [*, in]: the Gram matrix XᵀX
-    and the sum of |x| per channel, in fp64; O(in²) memory whatever the token count."""
+    and the sum of |x| per channel, in fp64; O(in²) memory whatever the token count.
 
-    def __init__(self, width: int, gram: bool = True) -> None:
+    With ``cross`` the input is the compressed model's X' and ``add`` also takes the
+    dense model's X of the same tokens: ``cross`` then holds X'ᵀX (for ``refit_up``)."""
+
+    def __init__(self, width: int, gram: bool = True, cross: bool = False) -> None:
         self.gram = torch.zeros(width, width, dtype=torch.float64) if gram else None
+        self.cross = torch.zeros(width, width, dtype=torch.float64) if cross else None
         self.abs_sum = torch.zeros(width, dtype=torch.float64)
         self.tokens = 0
         self._whitening: Whitening | None = None
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_dense: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float64)
         if self.gram is not None:
             self.gram.addmm_(x.T, x)
+        if self.cross is not None:
+            if x_dense is None:
+                raise ValueError("these statistics pair each input with the dense one")
+            self.cross.addmm_(x.T, x_dense.reshape(-1, x.shape[-1]).to(torch.float64))
         self.abs_sum += x.abs().sum(0)
         self.tokens += x.shape[0]
         self._whitening = None

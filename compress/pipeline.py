@@ -22,7 +22,9 @@ from compress.calibration import (
     calibration_sequences,
     collect_input_stats,
 )
+from compress.decompose import Factorization
 from compress.factorize import METHODS, InputStats, full_svd
+from compress.sequential import sequential_factors
 from dsl import Spec, parse_spec
 from dsl.errors import UserError
 from runtime.model.checkpoint import has_tokenizer, names_for
@@ -63,6 +65,31 @@ class Calibrated:
         if self.stats is None:
             self.stats = self._collect(spec)
         return self.stats
+
+    def factorization(
+        self, spec: Spec, method: str, alpha: float, sequential: bool = False, refit: bool = False
+    ) -> Factorization:
+        """How ``decompose`` factorises ``spec``'s matrices: from the dense model's
+        statistics, or (``sequential``) layer by layer from the compressed model's."""
+        if not sequential:
+            stats = self.stats_for(spec, method)
+            if refit and stats is None:
+                raise UserError("--refit needs calibration data: give --calib FILE or self:N")
+            return Factorization(method, stats, alpha, refit)
+        if method not in METHODS:
+            raise UserError(f"--method must be one of {', '.join(METHODS)}, found {method!r}")
+        if self.calibration is None:
+            raise UserError("--sequential needs calibration data: give --calib FILE or self:N")
+        made = sequential_factors(
+            self.dense_model(),
+            spec,
+            self.calibration_sequences(),
+            method,
+            alpha,
+            refit,
+            self.progress,
+        )
+        return Factorization(method, None, alpha, refit, made)
 
     def calibration_sequences(self) -> list[list[int]]:
         """The calibration token sequences (sampled or read once)."""
@@ -149,6 +176,11 @@ def allocate(
     return allocate_ranks(spectra, shapes, uniform_budget(uniform, shapes), multiple, weights)
 
 
+def dense_count(allocation: Allocation) -> int:
+    """How many matrices the allocation keeps dense (past their break-even rank)."""
+    return sum(r is None for r in allocation.ranks.values())
+
+
 def allocated_spec(
     spec: Spec, spec_text: str, allocation: Allocation, name: str, method: str
 ) -> tuple[Spec, str]:
@@ -162,7 +194,8 @@ def allocated_spec(
         )
     note = (
         f"ranks allocated by deinfer decompose --allocate --method {method} from spec "
-        f"{spec.name}: {allocation.used:,} of its {allocation.budget:,} factor parameters"
+        f"{spec.name}: {allocation.used:,} of its {allocation.budget:,} parameters, "
+        f"{dense_count(allocation)} matrices kept dense"
     )
     text = allocated_spec_yaml(spec_text, name, layers, note)
     return parse_spec(text, default_name=name), text

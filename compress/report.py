@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from compress.allocate import Allocation
 from compress.calibration import CalibrationSource
+from compress.factorize import METHODS
 from compress.fidelity import EvalConfig, Reference, dense_reference, evaluate
 from compress.output import OWNER_FILE, check_output_folder
 from compress.pipeline import Calibrated, Calibration, allocate, allocated_spec
@@ -21,11 +23,37 @@ from dsl.folders import write_atomically
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A method and its training-free corrections, written ``svd-llm+seq+refit``."""
+
+    method: str
+    sequential: bool = False
+    refit: bool = False
+
+    @staticmethod
+    def parse(text: str) -> Variant:
+        method, *flags = text.split("+")
+        unknown = set(flags) - {"seq", "refit"}
+        if method not in METHODS or unknown or len(set(flags)) != len(flags):
+            raise UserError(
+                f"--methods {text}: expected a method ({', '.join(METHODS)}) with optional "
+                "+seq and +refit"
+            )
+        return Variant(method, "seq" in flags, "refit" in flags)
+
+    @property
+    def label(self) -> str:
+        return self.method + "+seq" * self.sequential + "+refit" * self.refit
+
+
+@dataclass(frozen=True)
 class FidelityConfig:
     model: Path
-    methods: tuple[str, ...] = ("svd", "asvd", "svd-llm")
+    methods: tuple[str, ...] = ("svd", "asvd", "svd-llm")  # Variant texts
     cuts: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
-    allocate_cut: float | None = 0.2  # svd-llm with --allocate at this cut too
+    rule: str = "smaller_dim_fraction"  # or param_count: a real parameter cut
+    allocate_cuts: tuple[float, ...] = (0.2,)  # every method with --allocate at these too
+    rank_multiple: int = 1
     calib: str = "self:16"
     calib_len: int = 96
     seed: int = 0
@@ -58,7 +86,7 @@ def _one(
     calibrated: Calibrated,
     spec,
     spec_text: str,
-    method: str,
+    variant: Variant,
     work: Path,
     label: str,
     cut: float,
@@ -69,15 +97,15 @@ def _one(
     spec_path = work / f"{spec.name}.yaml"
     spec_path.write_text(spec_text)
     start = time.perf_counter()
-    stats = calibrated.stats_for(spec, method)
+    how = calibrated.factorization(
+        spec, variant.method, cfg.alpha, variant.sequential, variant.refit
+    )
     checkpoint = decompose(
         cfg.model,
         spec,
         work / spec.name,
         progress=cfg.progress,
-        method=method,
-        stats=stats,
-        alpha=cfg.alpha,
+        how=how,
         record=calibrated.record,
         force=cfg.force,
     )
@@ -87,6 +115,7 @@ def _one(
     factors, dense = factor_parameters(spec)
     row = {
         "method": label,
+        "rule": cfg.rule,
         "cut": cut,
         "factor_params": factors,
         "dense_params": dense,
@@ -116,8 +145,10 @@ def _owned_record() -> str:
 def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list[Path]:
     """The table in ``out_dir`` (replaced whole after every row) and, with ``cfg.keep``,
     the checkpoints and specs in that folder; both checked before any work."""
-    from compress.decompose import read_hf_config, spec_yaml
+    from compress.decompose import read_hf_config
 
+    for v in cfg.methods:
+        Variant.parse(v)  # every name checked before any work
     if cfg.keep and out_dir.resolve() in (cfg.keep.resolve(), *cfg.keep.resolve().parents):
         raise UserError(f"--keep {cfg.keep} must lie outside --out {out_dir} (replaced whole)")
     for folder in (out_dir, cfg.keep) if cfg.keep else (out_dir,):
@@ -141,6 +172,7 @@ def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list
             "calibration": calibrated.record,
             "dense": ref.metrics,
             "rows": rows,
+            "peak_rss_gib": _peak_rss_gib(),
         }
         files = {"results.json": json.dumps(result, indent=2), "results.md": markdown(result)}
         write_atomically(files | {OWNER_FILE: _owned_record()}, out_dir)
@@ -149,27 +181,47 @@ def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list
         work = cfg.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         (work / OWNER_FILE).write_text(_owned_record())
-        for cut in cfg.cuts:
-            for method in cfg.methods:
-                name = f"fidelity-{method}-cut{round(cut * 100)}"
-                text = spec_yaml(hf, name, cut, "smaller_dim_fraction", 1, cfg.tp)
-                spec = parse_spec(text, default_name=name)
-                rows.append(_one(cfg, ecfg, ref, calibrated, spec, text, method, work, method, cut))
-                write(rows)
-        if cfg.allocate_cut is not None:
-            base_name = f"fidelity-uniform-cut{round(cfg.allocate_cut * 100)}"
-            text = spec_yaml(hf, base_name, cfg.allocate_cut, "smaller_dim_fraction", 1, cfg.tp)
-            base = parse_spec(text, default_name=base_name)
-            allocation = allocate(calibrated, base, "svd-llm", cfg.alpha, 1)
-            name = f"fidelity-svd-llm-alloc-cut{round(cfg.allocate_cut * 100)}"
-            spec, spec_text = allocated_spec(base, text, allocation, name, "svd-llm")
-            label = "svd-llm+allocate"
-            cut = cfg.allocate_cut
-            rows.append(
-                _one(cfg, ecfg, ref, calibrated, spec, spec_text, "svd-llm", work, label, cut)
-            )
+        for spec, text, variant, label, cut in _variants(cfg, hf, calibrated):
+            rows.append(_one(cfg, ecfg, ref, calibrated, spec, text, variant, work, label, cut))
             write(rows)
     return [out_dir / "results.json", out_dir / "results.md"]
+
+
+def _variants(cfg: FidelityConfig, hf: dict, calibrated: Calibrated):
+    """(spec, spec text, variant, row label, cut) for every row, in table order: at each
+    cut every variant with uniform ranks, then (at ``allocate_cuts``) with allocated ones."""
+    from compress.decompose import spec_yaml
+
+    variants = [Variant.parse(v) for v in cfg.methods]
+    for cut in cfg.cuts:
+        tag = f"{cfg.rule.replace('_', '-')}{round(cut * 100)}"
+        for variant in variants:
+            name = f"fidelity-{variant.label.replace('+', '-')}-{tag}"
+            text = spec_yaml(hf, name, cut, cfg.rule, cfg.rank_multiple, cfg.tp)
+            yield parse_spec(text, default_name=name), text, variant, variant.label, cut
+        if cut not in cfg.allocate_cuts:
+            continue
+        base_text = spec_yaml(hf, f"fidelity-{tag}", cut, cfg.rule, cfg.rank_multiple, cfg.tp)
+        base = parse_spec(base_text, default_name=f"fidelity-{tag}")
+        allocations: dict[str, Allocation] = {}  # one per method serves all its variants
+        for variant in variants:
+            if variant.method not in allocations:
+                allocations[variant.method] = allocate(
+                    calibrated, base, variant.method, cfg.alpha, cfg.rank_multiple
+                )
+            label = f"{variant.label}+allocate"
+            name = f"fidelity-{label.replace('+', '-')}-{tag}"
+            spec, text = allocated_spec(
+                base, base_text, allocations[variant.method], name, variant.method
+            )
+            yield spec, text, variant, label, cut
+
+
+def _peak_rss_gib() -> float:
+    """This process's peak resident memory (Linux reports KiB): decomposition runs here."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _first(items: list[Any]) -> Any:
@@ -178,6 +230,13 @@ def _first(items: list[Any]) -> Any:
 
 def _num(value: Any, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
+
+
+def _cut(row: dict[str, Any]) -> str:
+    """Rows written before cuts had a rule were rank cuts (smaller_dim_fraction)."""
+    if row.get("rule") == "param_count":
+        return f"{row['cut']:.0%} params"
+    return f"{row['cut']:.0%} rank"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -198,16 +257,19 @@ def markdown(result: dict[str, Any]) -> str:
         + f"; greedy: {_first(dense['continuations'])!r}.",
         "",
         "| method | cut | factor params / dense | ppl (held-out samples) | ppl (text) "
-        "| KL vs dense | top-1 agree | greedy continuation |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| KL vs dense | top-1 agree | greedy continuation | decompose s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for r in result["rows"]:
         text = str(_first(r["continuations"])).replace("\n", "⏎").replace("|", "\\|")
         lines.append(
-            f"| {r['method']} | {r['cut']:.0%} | {r['factor_params'] / r['dense_params']:.2f} "
+            f"| {r['method']} | {_cut(r)} | {r['factor_params'] / r['dense_params']:.2f} "
             f"| {_num(r['ppl_sampled'], '.2f')} | {_num(r['ppl_text'], '.2f')} "
-            f"| {_num(r.get('kl'), '.3f')} | {_num(r.get('top1'), '.3f')} | `{text}` |"
+            f"| {_num(r.get('kl'), '.3f')} | {_num(r.get('top1'), '.3f')} | `{text}` "
+            f"| {_num(r.get('decompose_s'), '.0f')} |"
         )
+    if "peak_rss_gib" in result:
+        lines += ["", f"Peak resident memory of the whole run: {result['peak_rss_gib']:.2f} GiB."]
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compress.allocate import allocate_ranks, uniform_budget
+from compress.allocate import allocate_ranks, break_even_rank, uniform_budget
 from compress.factorize import InputStats, factorize, spectrum, whitening_from_gram
 
 REL = 1e-4
@@ -113,13 +113,29 @@ def test_allocation_spends_the_budget_where_the_spectrum_is_flat():
     steep = torch.tensor([10.0, 5.0] + [1e-3] * 14, dtype=torch.float64)
     flat = torch.ones(16, dtype=torch.float64)
     spectra = {(0, "a"): steep, (0, "b"): flat}
-    uniform = {(0, "a"): 8, (0, "b"): 8}
+    uniform = {(0, "a"): 4, (0, "b"): 4}
     budget = uniform_budget(uniform, shapes)
     alloc = allocate_ranks(spectra, shapes, budget)
-    assert alloc.used <= budget == 8 * 32 * 2
+    assert budget == 4 * 32 * 2
     assert alloc.ranks[(0, "a")] == 2  # its tail carries almost nothing
-    assert alloc.ranks[(0, "b")] == 14
+    assert alloc.ranks[(0, "b")] == 6
     assert alloc.used == budget
+
+
+def test_allocation_stops_at_break_even_and_keeps_a_matrix_dense_past_it():
+    """16×12: factors of rank 6 hold 168 of the matrix's 192 parameters, rank 7 would
+    hold 196. With room, the flat matrix goes dense (24 more) instead of rank 7."""
+    assert break_even_rank(16, 12) == 6 and break_even_rank(16, 12, 4) == 4
+    assert break_even_rank(3, 2, 4) == 4  # at least one multiple
+    shapes = {"a": (16, 12), "b": (16, 12)}
+    steep = torch.tensor([10.0, 5.0] + [1e-3] * 10, dtype=torch.float64)
+    flat = torch.ones(12, dtype=torch.float64)
+    spectra = {(0, "a"): steep, (0, "b"): flat}
+    alloc = allocate_ranks(spectra, shapes, 2 * 28 + 192)
+    assert alloc.ranks == {(0, "a"): 2, (0, "b"): None}
+    assert alloc.used == uniform_budget(alloc.ranks, shapes) == 2 * 28 + 192
+    tight = allocate_ranks(spectra, shapes, 2 * 28 + 6 * 28 + 23)  # dense does not fit
+    assert tight.ranks == {(0, "a"): 2, (0, "b"): 6}
 
 
 @given(
@@ -142,4 +158,5 @@ def test_allocation_respects_budget_bounds_and_multiples(shape_list, multiple, s
     assert alloc.used <= budget
     assert alloc.used == uniform_budget(alloc.ranks, shapes)
     for (_, name), r in alloc.ranks.items():
-        assert r % multiple == 0 and multiple <= r <= max(multiple, min(shapes[name]))
+        if r is not None:  # dense only past break-even: never factors larger than the matrix
+            assert r % multiple == 0 and multiple <= r <= break_even_rank(*shapes[name], multiple)

@@ -1,0 +1,125 @@
+"""Training-free corrections of a decomposition: the up-factor refit and sequential
+calibration, each against an oracle computed another way, and end to end through the
+CLI and the engine against transformers (fp32; products to 1e-4 relative, tokens equal)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from cli.main import main as cli
+from compress.calibration import collect_input_stats, sample_sequences
+from compress.factorize import InputStats, factorize, refit_up
+from compress.report import Variant
+from compress.sequential import sequential_factors
+from dsl import load_spec
+from dsl.errors import UserError
+from runtime.model.checkpoint import CheckpointReader, names_for, validate
+from tests.hf_models import build_hf
+from tests.test_compress import CONFIG, _greedy_equals_transformers, _one_line_error, _spec
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sequential") / "dense"
+    build_hf("llama", CONFIG, seed=11).save_pretrained(folder)
+    return folder
+
+
+def _model(dense):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(dense).eval()
+
+
+def _output_error(w, d, u, stats: InputStats) -> float:
+    """‖X·(W − D·U)‖² = tr(EᵀGE) on the calibration tokens."""
+    e = w.double() - d.double() @ u.double()
+    return float(torch.einsum("ij,ik,kj->", e, stats.gram, e))
+
+
+def test_refit_keeps_svd_llm_optimal_and_improves_svd_and_asvd(dense, tmp_path):
+    """svd-llm's U is already the least-squares U for its D (the refit returns it);
+    svd's and asvd's are not, and the refit lowers their output error."""
+    spec = load_spec(_spec(dense, tmp_path / "spec.yaml", 0.5))
+    model = _model(dense)
+    stats = collect_input_stats(
+        model, spec.model, sample_sequences(model, 2, 8, 16, 0), progress=False
+    )
+    w = model.model.layers[0].mlp.down_proj.weight.detach().t()  # [40, 32]
+    x = stats[(0, "down")]
+    r = spec.decomposition.layers[0].rank("down")
+    d, u = factorize(w, r, "svd-llm", x)
+    assert torch.allclose(refit_up(d, w, x), u, rtol=1e-4, atol=1e-5)
+    for method in ("svd", "asvd"):
+        d, u = factorize(w, r, method, x)
+        assert _output_error(w, d, refit_up(d, w, x), x) < 0.99 * _output_error(w, d, u, x)
+    with pytest.raises(ValueError, match="Gram"):
+        refit_up(d, w, InputStats(w.shape[0], gram=False))
+
+
+def test_sequential_factors_come_from_the_compressed_model_below(dense, tmp_path):
+    """Layer 0's q/k/v see the embeddings in both streams: the one-shot factors. Layer
+    1's q sees what the already-compressed layer 0 produces: the oracle collects the
+    statistics from a copy of the model whose layer 0 holds the sequential products."""
+    spec = load_spec(_spec(dense, tmp_path / "spec.yaml", 0.5))
+    model = _model(dense)
+    seqs = sample_sequences(model, 3, 8, 16, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    made = sequential_factors(model, spec, seqs, "svd-llm", progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # untouched
+    assert set(made) == {(i, m) for i in range(2) for m in spec.model.matrices}
+    one_shot = collect_input_stats(model, spec.model, seqs, progress=False)
+    names = names_for(spec.model)
+
+    def product(factors):
+        return factors[0] @ factors[1]
+
+    def weight(m, layer):
+        return layer.get_submodule(names.modules[m]).weight.detach().t()
+
+    layer0 = model.model.layers[0]
+    r = spec.decomposition.layers[0].rank("q")
+    want = factorize(weight("q", layer0), r, "svd-llm", one_shot[(0, "q")])
+    assert torch.allclose(product(made[(0, "q")]), product(want), rtol=1e-4, atol=1e-5)
+
+    compressed = copy.deepcopy(model)
+    for m in spec.model.matrices:
+        module = compressed.model.layers[0].get_submodule(names.modules[m])
+        module.weight.data = product(made[(0, m)]).t().contiguous()
+    oracle = collect_input_stats(compressed, spec.model, seqs, progress=False)
+    layer1 = model.model.layers[1]
+    want = factorize(weight("q", layer1), r, "svd-llm", oracle[(1, "q")])
+    assert torch.allclose(product(made[(1, "q")]), product(want), rtol=1e-4, atol=1e-5)
+    stale = factorize(weight("q", layer1), r, "svd-llm", one_shot[(1, "q")])
+    assert not torch.allclose(product(made[(1, "q")]), product(stale), rtol=1e-4, atol=1e-5)
+
+
+def test_sequential_refit_checkpoint_serves_like_transformers(dense, tmp_path, capsys):
+    spec_path = _spec(dense, tmp_path / "spec.yaml", 0.3)
+    args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--quiet"]
+    args += ["--out", str(tmp_path / "ck"), "--method", "asvd", "--calib-len", "12"]
+    _one_line_error(capsys, [*args, "--sequential"], "--sequential needs calibration data")
+    _one_line_error(capsys, [*args, "--method", "svd", "--refit"], "--refit needs calibration data")
+    assert cli([*args, "--sequential", "--refit", "--calib", "self:4"]) == 0
+    again = [*args[:-6], "--out", str(tmp_path / "again"), *args[-4:]]
+    assert cli([*again, "--sequential", "--refit", "--calib", "self:4"]) == 0
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "again").iterdir())
+    for name in names:  # deterministic: identical bytes
+        assert (tmp_path / "ck" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    validate(CheckpointReader(tmp_path / "ck"), load_spec(spec_path))
+    record = json.loads((tmp_path / "ck" / "config.json").read_text())["deinfer"]
+    assert record["method"] == "asvd" and record["sequential"] and record["refit"]
+    _greedy_equals_transformers(spec_path, tmp_path / "ck", 2, "deinfer")
+
+
+def test_variant_names_parse_or_fail_in_one_line():
+    assert Variant.parse("svd-llm+seq+refit") == Variant("svd-llm", True, True)
+    assert Variant.parse("asvd+refit").label == "asvd+refit"
+    for bad in ("svd+seq+seq", "svd+fast", "qr"):
+        with pytest.raises(UserError, match="expected a method"):
+            Variant.parse(bad)
