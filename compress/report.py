@@ -67,16 +67,29 @@ class FidelityConfig:
 
 
 def factor_parameters(spec) -> tuple[int, int]:
-    """(parameters of the decomposed matrices' factors, of the same matrices dense)."""
-    factors = dense = 0
+    """(parameters the projections keep: factors, or the matrix where a layer keeps it
+    dense; the same projections all dense)."""
+    kept = dense = 0
     for layer in spec.decomposition.layers:
         for m in spec.model.matrices:
             r = layer.rank(m)
             n_in, n_out = spec.model.matrix_shape(m)
-            if r is not None:
-                factors += r * (n_in + n_out)
-                dense += n_in * n_out
-    return factors, dense
+            kept += n_in * n_out if r is None else r * (n_in + n_out)
+            dense += n_in * n_out
+    return kept, dense
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One row to make: its spec, how it is factorised, and the seconds its ranks took
+    (the allocation; 0 for uniform ranks)."""
+
+    spec: Any
+    spec_text: str
+    variant: Variant
+    label: str
+    cut: float
+    allocate_s: float = 0.0
 
 
 def _one(
@@ -84,18 +97,15 @@ def _one(
     ecfg: EvalConfig,
     ref: Reference,
     calibrated: Calibrated,
-    spec,
-    spec_text: str,
-    variant: Variant,
+    planned: _Planned,
     work: Path,
-    label: str,
-    cut: float,
 ) -> dict[str, Any]:
     from compress.decompose import decompose
     from runtime.engine.llm import LLM
 
+    spec, variant, label = planned.spec, planned.variant, planned.label
     spec_path = work / f"{spec.name}.yaml"
-    spec_path.write_text(spec_text)
+    spec_path.write_text(planned.spec_text)
     start = time.perf_counter()
     how = calibrated.factorization(
         spec, variant.method, cfg.alpha, variant.sequential, variant.refit
@@ -116,11 +126,11 @@ def _one(
     row = {
         "method": label,
         "rule": cfg.rule,
-        "cut": cut,
+        "cut": planned.cut,
         "factor_params": factors,
         "dense_params": dense,
         **metrics,
-        "decompose_s": made - start,
+        "decompose_s": made - start + planned.allocate_s,
         "eval_s": time.perf_counter() - made,
     }
     if cfg.keep is None:
@@ -181,15 +191,16 @@ def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list
         work = cfg.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         (work / OWNER_FILE).write_text(_owned_record())
-        for spec, text, variant, label, cut in _variants(cfg, hf, calibrated):
-            rows.append(_one(cfg, ecfg, ref, calibrated, spec, text, variant, work, label, cut))
+        for planned in _variants(cfg, hf, calibrated):
+            rows.append(_one(cfg, ecfg, ref, calibrated, planned, work))
             write(rows)
     return [out_dir / "results.json", out_dir / "results.md"]
 
 
 def _variants(cfg: FidelityConfig, hf: dict, calibrated: Calibrated):
-    """(spec, spec text, variant, row label, cut) for every row, in table order: at each
-    cut every variant with uniform ranks, then (at ``allocate_cuts``) with allocated ones."""
+    """Every row, in table order: at each cut every variant with uniform ranks, then (at
+    ``allocate_cuts``) with allocated ones; each allocated row is charged its allocation's
+    seconds (one allocation per method serves all its variants)."""
     from compress.decompose import spec_yaml
 
     variants = [Variant.parse(v) for v in cfg.methods]
@@ -198,23 +209,24 @@ def _variants(cfg: FidelityConfig, hf: dict, calibrated: Calibrated):
         for variant in variants:
             name = f"fidelity-{variant.label.replace('+', '-')}-{tag}"
             text = spec_yaml(hf, name, cut, cfg.rule, cfg.rank_multiple, cfg.tp)
-            yield parse_spec(text, default_name=name), text, variant, variant.label, cut
+            yield _Planned(parse_spec(text, default_name=name), text, variant, variant.label, cut)
         if cut not in cfg.allocate_cuts:
             continue
         base_text = spec_yaml(hf, f"fidelity-{tag}", cut, cfg.rule, cfg.rank_multiple, cfg.tp)
         base = parse_spec(base_text, default_name=f"fidelity-{tag}")
-        allocations: dict[str, Allocation] = {}  # one per method serves all its variants
+        allocations: dict[str, tuple[Allocation, float]] = {}
         for variant in variants:
             if variant.method not in allocations:
-                allocations[variant.method] = allocate(
+                start = time.perf_counter()
+                allocation = allocate(
                     calibrated, base, variant.method, cfg.alpha, cfg.rank_multiple
                 )
+                allocations[variant.method] = allocation, time.perf_counter() - start
             label = f"{variant.label}+allocate"
             name = f"fidelity-{label.replace('+', '-')}-{tag}"
-            spec, text = allocated_spec(
-                base, base_text, allocations[variant.method], name, variant.method
-            )
-            yield spec, text, variant, label, cut
+            allocation, seconds = allocations[variant.method]
+            spec, text = allocated_spec(base, base_text, allocation, name, variant.method)
+            yield _Planned(spec, text, variant, label, cut, seconds)
 
 
 def _peak_rss_gib() -> float:
@@ -256,7 +268,7 @@ def markdown(result: dict[str, Any]) -> str:
         + (f", {_num(dense['ppl_text'], '.2f')} on the text" if dense["ppl_text"] else "")
         + f"; greedy: {_first(dense['continuations'])!r}.",
         "",
-        "| method | cut | factor params / dense | ppl (held-out samples) | ppl (text) "
+        "| method | cut | params kept / dense | ppl (held-out samples) | ppl (text) "
         "| KL vs dense | top-1 agree | greedy continuation | decompose s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]

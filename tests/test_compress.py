@@ -133,35 +133,6 @@ def test_data_aware_methods_fit_the_calibration_outputs_better_than_plain_svd(de
     assert err(*factorize(w, r, "svd-llm", x_q)) < err(*factorize(w, r, "svd")) * 0.999
 
 
-def test_allocate_writes_a_spec_at_the_same_parameter_count(dense, tmp_path):
-    """At a real parameter cut the allocation spends the uniform ranks' parameters
-    (within one direction's cost), never gives a matrix factors larger than itself, and
-    may keep some dense."""
-    from compress.allocate import break_even_rank
-
-    spec_path = _spec(dense, tmp_path / "spec.yaml", 0.4, rule="param_count")
-    alloc = tmp_path / "allocated.yaml"
-    args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--out"]
-    args += [str(tmp_path / "ck"), "--method", "svd-llm", "--calib", "self:4", "--quiet"]
-    assert cli([*args, "--calib-len", "16", "--allocate", str(alloc)]) == 0
-    uniform, allocated = load_spec(spec_path), load_spec(alloc)
-
-    def params(spec):
-        total = 0
-        for layer in spec.decomposition.layers:
-            for m in spec.model.matrices:
-                n_in, n_out = spec.model.matrix_shape(m)
-                r = layer.rank(m)
-                total += n_in * n_out if r is None else r * (n_in + n_out)
-                assert r is None or r <= break_even_rank(n_in, n_out), (m, r)
-        return total
-
-    assert params(uniform) - 8 * 72 < params(allocated) <= params(uniform)  # multiple 8
-    assert allocated.decomposition.layers != uniform.decomposition.layers
-    validate(CheckpointReader(tmp_path / "ck"), allocated)
-    _greedy_equals_transformers(alloc, tmp_path / "ck", 2, "deinfer")
-
-
 # --- importers -----------------------------------------------------------------------
 
 
@@ -390,23 +361,3 @@ def test_deinfer_eval_cli_reports_a_full_rank_checkpoint_as_the_dense_model(
     text = capsys.readouterr().out
     assert "mean KL(dense || checkpoint)" in text and "top-1 agreement: 1.0000" in text
     _one_line_error(capsys, [*args, "--text", str(tmp_path / "x.txt")], "no tokenizer")
-
-
-def test_fidelity_table_of_methods_and_cuts(dense, tmp_path, capsys):
-    out = tmp_path / "table"
-    args = ["fidelity", "--model", str(dense), "--out", str(out), "--self", "2", "--len", "12"]
-    args += ["--cuts", "0.3", "--allocate-cuts", "0.3", "--calib", "self:4", "--calib-len", "12"]
-    args += ["--rule", "param_count", "--quiet"]
-    _one_line_error(capsys, [*args, "--methods", "svd,svd+fast"], "--methods svd+fast")
-    assert not out.exists()  # every method checked before any work
-    assert cli([*args, "--methods", "svd,svd-llm+refit"]) == 0
-    result = json.loads((out / "results.json").read_text())
-    rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["svd", "svd-llm+refit", "svd+allocate", "svd-llm+refit+allocate"]
-    assert all(r["cut"] == 0.3 and 0 <= r["top1"] <= 1 and r["kl"] >= 0 for r in rows.values())
-    assert all(r["factor_params"] <= 0.7 * r["dense_params"] for r in rows.values())
-    assert rows["svd-llm+refit+allocate"]["factor_params"] <= rows["svd-llm+refit"]["factor_params"]
-    assert result["calibration"]["calibration_tokens"] == 48
-    assert 0 < result["peak_rss_gib"] < 24
-    table = (out / "results.md").read_text()
-    assert table.count("\n| svd") == 4 and table.count("| 30% params |") == 4

@@ -1,6 +1,7 @@
-"""Training-free corrections of a decomposition: the up-factor refit and sequential
-calibration, each against an oracle computed another way, and end to end through the
-CLI and the engine against transformers (fp32; products to 1e-4 relative, tokens equal)."""
+"""Training-free corrections of a decomposition: the up-factor refit, sequential
+calibration and allocated ranks, each against an oracle computed another way, end to end
+through the CLI and the engine against transformers (fp32; products to 1e-4 relative,
+tokens equal), and the fidelity table that measures them."""
 
 from __future__ import annotations
 
@@ -61,10 +62,51 @@ def test_refit_keeps_svd_llm_optimal_and_improves_svd_and_asvd(dense, tmp_path):
         refit_up(d, w, InputStats(w.shape[0], gram=False))
 
 
+def test_svd_llm_on_paired_inputs_is_the_exact_optimum_of_the_dense_outputs():
+    """min over rank-r M of ‖X·W − X'·M‖, against a direct QR solve (X' = QR: the error
+    is ‖(I − QQᵀ)·X·W‖² + ‖Qᵀ·X·W − R·M‖², so R·M is the truncated SVD of Qᵀ·X·W); it
+    beats the down factor of X' alone with a refitted up factor, which beats no refit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(400, 24, generator=g, dtype=torch.float64)
+    x_c = x + 0.3 * torch.randn(400, 24, generator=g, dtype=torch.float64)  # compressed
+    w = torch.randn(24, 20, generator=g, dtype=torch.float64)
+    paired, alone = InputStats(24, cross=True), InputStats(24)
+    paired.add(x_c, x)
+    alone.add(x_c)
+
+    def err(m):
+        return float((x @ w - x_c @ m).square().sum())
+
+    q, r_ = torch.linalg.qr(x_c)
+    a, s, bt = torch.linalg.svd(q.T @ x @ w)
+    for rank in (1, 5, 12):
+        best = torch.linalg.solve(r_, a[:, :rank] * s[:rank] @ bt[:rank])
+        d, u = factorize(w, rank, "svd-llm", paired)
+        assert err(d.double() @ u.double()) == pytest.approx(err(best), rel=1e-5)
+        d0, u0 = factorize(w, rank, "svd-llm", alone)
+        refitted = refit_up(d0, w, paired).double()
+        assert err(best) < err(d0.double() @ refitted) < err(d0.double() @ u0.double())
+    with pytest.raises(ValueError, match="dense"):
+        paired.add(x_c)  # paired statistics need the dense input too
+
+
+def _inputs(model, module_name: str, seqs) -> torch.Tensor:
+    seen = []
+    handle = model.get_submodule(module_name).register_forward_pre_hook(
+        lambda mod, args: seen.append(args[0].reshape(-1, args[0].shape[-1]))
+    )
+    with torch.no_grad():
+        for seq in seqs:
+            model(torch.tensor([seq]))
+    handle.remove()
+    return torch.cat(seen)
+
+
 def test_sequential_factors_come_from_the_compressed_model_below(dense, tmp_path):
     """Layer 0's q/k/v see the embeddings in both streams: the one-shot factors. Layer
-    1's q sees what the already-compressed layer 0 produces: the oracle collects the
-    statistics from a copy of the model whose layer 0 holds the sequential products."""
+    1's q sees what the already-compressed layer 0 produces: the oracle pairs the inputs
+    of a copy of the model whose layer 0 holds the sequential products with the dense
+    model's."""
     spec = load_spec(_spec(dense, tmp_path / "spec.yaml", 0.5))
     model = _model(dense)
     seqs = sample_sequences(model, 3, 8, 16, 0)
@@ -90,9 +132,11 @@ def test_sequential_factors_come_from_the_compressed_model_below(dense, tmp_path
     for m in spec.model.matrices:
         module = compressed.model.layers[0].get_submodule(names.modules[m])
         module.weight.data = product(made[(0, m)]).t().contiguous()
-    oracle = collect_input_stats(compressed, spec.model, seqs, progress=False)
+    q1 = names.layer(1, "q")
+    paired = InputStats(spec.model.hidden_size, cross=True)
+    paired.add(_inputs(compressed, q1, seqs), _inputs(model, q1, seqs))
     layer1 = model.model.layers[1]
-    want = factorize(weight("q", layer1), r, "svd-llm", oracle[(1, "q")])
+    want = factorize(weight("q", layer1), r, "svd-llm", paired)
     assert torch.allclose(product(made[(1, "q")]), product(want), rtol=1e-4, atol=1e-5)
     stale = factorize(weight("q", layer1), r, "svd-llm", one_shot[(1, "q")])
     assert not torch.allclose(product(made[(1, "q")]), product(stale), rtol=1e-4, atol=1e-5)
@@ -123,3 +167,52 @@ def test_variant_names_parse_or_fail_in_one_line():
     for bad in ("svd+seq+seq", "svd+fast", "qr"):
         with pytest.raises(UserError, match="expected a method"):
             Variant.parse(bad)
+
+
+def test_allocate_writes_a_spec_at_the_same_parameter_count(dense, tmp_path):
+    """At a real parameter cut the allocation spends the uniform ranks' parameters
+    (within one direction's cost), never gives a matrix factors larger than itself, and
+    may keep some dense."""
+    from compress.allocate import break_even_rank
+
+    spec_path = _spec(dense, tmp_path / "spec.yaml", 0.4, rule="param_count")
+    alloc = tmp_path / "allocated.yaml"
+    args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--out"]
+    args += [str(tmp_path / "ck"), "--method", "svd-llm", "--calib", "self:4", "--quiet"]
+    assert cli([*args, "--calib-len", "16", "--allocate", str(alloc)]) == 0
+    uniform, allocated = load_spec(spec_path), load_spec(alloc)
+
+    def params(spec):
+        total = 0
+        for layer in spec.decomposition.layers:
+            for m in spec.model.matrices:
+                n_in, n_out = spec.model.matrix_shape(m)
+                r = layer.rank(m)
+                total += n_in * n_out if r is None else r * (n_in + n_out)
+                assert r is None or r <= break_even_rank(n_in, n_out), (m, r)
+        return total
+
+    assert params(uniform) - 8 * 72 < params(allocated) <= params(uniform)  # multiple 8
+    assert allocated.decomposition.layers != uniform.decomposition.layers
+    validate(CheckpointReader(tmp_path / "ck"), allocated)
+    _greedy_equals_transformers(alloc, tmp_path / "ck", 2, "deinfer")
+
+
+def test_fidelity_table_of_methods_and_cuts(dense, tmp_path, capsys):
+    out = tmp_path / "table"
+    args = ["fidelity", "--model", str(dense), "--out", str(out), "--self", "2", "--len", "12"]
+    args += ["--cuts", "0.3", "--allocate-cuts", "0.3", "--calib", "self:4", "--calib-len", "12"]
+    args += ["--rule", "param_count", "--quiet"]
+    _one_line_error(capsys, [*args, "--methods", "svd,svd+fast"], "--methods svd+fast")
+    assert not out.exists()  # every method checked before any work
+    assert cli([*args, "--methods", "svd,svd-llm+refit"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["svd", "svd-llm+refit", "svd+allocate", "svd-llm+refit+allocate"]
+    assert all(r["cut"] == 0.3 and 0 <= r["top1"] <= 1 and r["kl"] >= 0 for r in rows.values())
+    assert all(r["factor_params"] <= 0.7 * r["dense_params"] for r in rows.values())
+    assert rows["svd-llm+refit+allocate"]["factor_params"] <= rows["svd-llm+refit"]["factor_params"]
+    assert result["calibration"]["calibration_tokens"] == 48
+    assert 0 < result["peak_rss_gib"] < 24
+    table = (out / "results.md").read_text()
+    assert table.count("\n| svd") == 4 and table.count("| 30% params |") == 4
