@@ -8,10 +8,7 @@
   G = XᵀX = S·Sᵀ (Cholesky), ‖X·(W − W')‖_F = ‖Sᵀ·(W − W')‖_F, so the SVD of Sᵀ·W
   truncated to r and mapped back by S⁻ᵀ is the best rank-r W' for the outputs on the
   calibration tokens, and each dropped singular value is exactly the output error it
-  causes. With statistics that pair the compressed model's inputs X' with the dense
-  model's X (``InputStats(cross=True)``, sequential calibration) it truncates
-  S⁻¹·X'ᵀX·W instead: the best rank-r W' for ‖X·W − X'·W'‖, the dense outputs from the
-  inputs the compressed model will see.
+  causes.
 
 The singular values are split evenly between the factors (√σ on each side), the
 convention of the authors' code. All factorisations run in fp64 and return fp32.
@@ -111,25 +108,21 @@ def _transformed(w_math: torch.Tensor, method: str, stats: InputStats | None, al
         scale = stats.abs_mean().clamp_min(1e-6) ** alpha
         return scale[:, None] * w, lambda d: d / scale[:, None]
     s = stats.whitening().factor  # svd-llm; S lower triangular
-
-    def undo(d: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.solve_triangular(s.T, d, upper=True)
-
-    if stats.cross is None:
-        return s.T @ w, undo
-    # inputs X' of a compressed model, target the dense outputs X·W: ‖X·W − X'·M‖² is a
-    # constant plus ‖Sᵀ·M − S⁻¹·X'ᵀX·W‖², so truncating S⁻¹·X'ᵀX·W is its exact rank-r
-    # optimum (equal to Sᵀ·W when X' = X)
-    return torch.linalg.solve_triangular(s, stats.cross @ w, upper=False), undo
+    return s.T @ w, lambda d: torch.linalg.solve_triangular(s.T, d, upper=True)
 
 
 def refit_up(d: torch.Tensor, w_math: torch.Tensor, stats: InputStats) -> torch.Tensor:
     """The up factor U [r, out] minimising ‖X·W − X'·D·U‖_F for a fixed down factor D:
     the normal equations (Dᵀ·X'ᵀX'·D)·U = Dᵀ·X'ᵀX·W, in fp64, from the statistics alone
-    (X' = X when they were collected without ``cross``). For svd-llm this is the U it
-    already has (its D·U is the joint optimum); it helps where D was chosen for another
-    norm (svd, asvd). A ridge of 1e-10 of the
-    mean diagonal keeps a rank-deficient X'·D solvable."""
+    (X' = X when they were collected without ``cross``). For svd-llm on X's own
+    statistics this is the U it already has; it helps where D was chosen for another
+    norm (svd, asvd) or another input (sequential calibration). A ridge of 1e-10 of the
+    mean diagonal keeps a rank-deficient X'·D solvable.
+
+    Truncating the whitened least-squares target S⁻¹·X'ᵀX·W instead (this objective's
+    exact rank-r optimum over D and U together) measured worse on SmolLM2-135M at a 20 %
+    parameter cut: mean KL 1.27 against 1.16 for this refit after sequential svd-llm
+    (likely the full-rank regression over 8,192 tokens fitting noise)."""
     if stats.gram is None:
         raise ValueError("refitting needs the Gram matrix")
     d64, w = d.to(torch.float64), w_math.to(torch.float64)

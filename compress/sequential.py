@@ -8,9 +8,8 @@ the compressed model will see). Within a layer the groups of matrices that read 
 input (q/k/v, o, gate/up, down; fc1, fc2) are factorised in order, each from the
 statistics of its input in the compressed layer after the groups before it were
 replaced, so o sees the compressed attention's output and down the compressed MLP's.
-The statistics pair X' with X, so svd-llm truncates for ‖X·W − X'·D·U‖ (the dense
-outputs from the compressed inputs: its exact rank-r optimum); with ``refit`` the up
-factor of svd / asvd is refitted to that objective (``compress.factorize.refit_up``).
+With ``refit`` each up factor is then refitted to the dense outputs (X·W) given its
+down factor and X' (``compress.factorize.refit_up``).
 
 The layer is called directly with the keyword arguments the model passed it (masks,
 position embeddings), captured once per sequence length; sequences of one length run

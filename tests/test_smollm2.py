@@ -71,13 +71,13 @@ def decomposed(smollm2, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 @pytest.fixture(scope="module")
 def param_cut(smollm2, tmp_path_factory) -> tuple[Path, Path]:
     """A real 20% parameter cut made the best way docs/COMPRESSION.md knows: svd-llm with
-    sequential calibration and allocated ranks: (spec, checkpoint)."""
+    sequential calibration, refitted up factors and allocated ranks: (spec, checkpoint)."""
     work = tmp_path_factory.mktemp("smollm2-params20")
     uniform, allocated, ck = work / "uniform.yaml", work / "allocated.yaml", work / "ck"
     args = ["decompose", "--model", str(smollm2), "--spec-out", str(uniform), "--ratio", "0.2"]
     assert cli([*args, "--rule", "param_count", "--tp", "3"]) == 0
     args = ["decompose", "--model", str(smollm2), "--spec", str(uniform), "--out", str(ck)]
-    args += ["--method", "svd-llm", "--sequential", "--allocate", str(allocated)]
+    args += ["--method", "svd-llm", "--sequential", "--refit", "--allocate", str(allocated)]
     assert cli([*args, "--calib", "self:64", "--calib-len", "128", "--quiet"]) == 0
     return allocated, ck
 
