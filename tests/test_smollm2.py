@@ -22,7 +22,7 @@ from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
 from runtime.tools.hf_reference import load_transformers
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(1800)]  # fixtures decompose 135M
 PROMPT = "The capital of France is"
 
 
