@@ -20,7 +20,7 @@ import yaml
 from tqdm import tqdm
 
 from compress.calibration import INPUT_OF
-from compress.factorize import InputStats, factorize, refit_up
+from compress.factorize import InputStats, factorize
 from compress.output import (
     FORMAT,
     DecomposedWriter,
@@ -194,10 +194,7 @@ def _factors(w_math: torch.Tensor, rank: int, how: Factorization, i: int, matrix
     if how.made is not None:
         return how.made[(i, matrix)]
     inputs = how.stats.get((i, INPUT_OF[matrix])) if how.stats else None
-    d, u = factorize(w_math, rank, how.method, inputs, how.alpha)
-    if how.refit and inputs is not None:
-        u = refit_up(d, w_math, inputs)
-    return d, u
+    return factorize(w_math, rank, how.method, inputs, how.alpha, how.refit)
 
 
 def decompose(

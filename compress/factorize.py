@@ -89,9 +89,16 @@ def factorize(
     method: str = "svd",
     stats: InputStats | None = None,
     alpha: float = 0.5,
+    refit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """D [in, r], U [r, out] (fp32) with D·U ≈ w_math under ``method``."""
-    return full_svd(w_math, method, stats, alpha).factors(rank)
+    """D [in, r], U [r, out] (fp32) with D·U ≈ w_math under ``method``; with ``refit``
+    U is then refitted to the statistics' dense outputs (``refit_up``)."""
+    d, u = full_svd(w_math, method, stats, alpha).factors(rank)
+    if refit:
+        if stats is None:
+            raise ValueError("refitting needs calibration statistics")
+        u = refit_up(d, w_math, stats)
+    return d, u
 
 
 def _transformed(w_math: torch.Tensor, method: str, stats: InputStats | None, alpha: float):

@@ -54,14 +54,10 @@ class Calibrated:
     sequences: list[list[int]] | None = None  # the calibration token sequences
 
     def stats_for(self, spec: Spec, method: str) -> dict[tuple[int, str], InputStats] | None:
-        if method not in METHODS:
-            raise UserError(f"--method must be one of {', '.join(METHODS)}, found {method!r}")
+        _check_method(method)
         if method == "svd":
             return None
-        if self.calibration is None:
-            raise UserError(
-                f"--method {method} needs calibration data: give --calib FILE or self:N"
-            )
+        self._require_calibration(f"--method {method}")
         if self.stats is None:
             self.stats = self._collect(spec)
         return self.stats
@@ -73,13 +69,13 @@ class Calibrated:
         statistics, or (``sequential``) layer by layer from the compressed model's."""
         if not sequential:
             stats = self.stats_for(spec, method)
-            if refit and stats is None:
-                raise UserError("--refit needs calibration data: give --calib FILE or self:N")
+            if refit:
+                self._require_calibration("--refit")
+                if stats is None:  # plain svd collects none
+                    raise UserError("--refit needs --method asvd or svd-llm (or --sequential)")
             return Factorization(method, stats, alpha, refit)
-        if method not in METHODS:
-            raise UserError(f"--method must be one of {', '.join(METHODS)}, found {method!r}")
-        if self.calibration is None:
-            raise UserError("--sequential needs calibration data: give --calib FILE or self:N")
+        _check_method(method)
+        self._require_calibration("--sequential")
         made = sequential_factors(
             self.dense_model(),
             spec,
@@ -90,6 +86,10 @@ class Calibrated:
             self.progress,
         )
         return Factorization(method, None, alpha, refit, made)
+
+    def _require_calibration(self, what: str) -> None:
+        if self.calibration is None:
+            raise UserError(f"{what} needs calibration data: give --calib FILE or self:N")
 
     def calibration_sequences(self) -> list[list[int]]:
         """The calibration token sequences (sampled or read once)."""
@@ -174,6 +174,11 @@ def allocate(
             uniform[(i, m)], spectra[(i, m)] = r, svd.s
             weights[(i, m)] = max(kl, 0.0) / max(dropped, 1e-12)
     return allocate_ranks(spectra, shapes, uniform_budget(uniform, shapes), multiple, weights)
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise UserError(f"--method must be one of {', '.join(METHODS)}, found {method!r}")
 
 
 def dense_count(allocation: Allocation) -> int:

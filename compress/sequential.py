@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from compress.calibration import INPUT_OF
-from compress.factorize import InputStats, factorize, refit_up
+from compress.factorize import InputStats, factorize
 from dsl import Spec
 from runtime.model.checkpoint import names_for
 
@@ -74,9 +74,7 @@ def sequential_factors(
             for m in todo:
                 module = layer.get_submodule(names.modules[m])
                 w = module.weight.data.t()  # math layout [in, out]
-                d, u = factorize(w, ranks.rank(m), method, stats, alpha)
-                if refit:
-                    u = refit_up(d, w, stats)
+                d, u = factorize(w, ranks.rank(m), method, stats, alpha, refit)
                 factors[(i, m)] = (d, u)
                 module.weight.data = (d @ u).t().to(module.weight.dtype).contiguous()
         for batch in batches:
