@@ -95,8 +95,8 @@ def _add_safety_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout-s",
         type=float,
         default=None,
-        help="seconds a rank may go silent (stopped, hung) before the engine stops naming "
-        "it (default 15)",
+        help="seconds a rank may go silent (stopped, hung, its machine or link lost) before "
+        "the engine stops naming it (default 15)",
     )
 
 

@@ -103,6 +103,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve(sub)
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    from cli.launch import add_launch
+
+    add_launch(sub)
+
+
 # Subcommands are registered here; each module owns its arguments and its work.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plan,
@@ -115,6 +121,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_predict,
     _add_compress,
     _add_serve,
+    _add_launch,
 )
 
 

@@ -27,13 +27,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from runtime.dist.launcher import WorkerGroup
     from runtime.engine.sequence import SamplingParams
 
     start = time.perf_counter()
     with open_engine(args) as llm:
+        if not llm.is_leader:  # a torchrun rank other than 0: rank 0 drives and reports
+            llm.follow()
+            return 0
         print(
             f"loaded in {time.perf_counter() - start:.1f} s{tuned_note(llm)}: tp "
             f"{llm.spec.parallel.tp}, {llm.describe_path()}",
@@ -45,12 +45,6 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
         outputs = llm.generate(prompts, params)
-        if (
-            llm.workers.world > 1
-            and not isinstance(llm.workers, WorkerGroup)
-            and torch.distributed.get_rank() != 0
-        ):
-            return 0  # under torchrun, rank 0 reports
         failed = 0
         for prompt, out in zip(prompts, outputs, strict=True):
             if out.finish_reason and out.finish_reason.startswith("error"):

@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dsl.errors import RuntimeFailure
+    from runtime.dist.launcher import torchrun_follower
     from runtime.serve.app import build_app
     from runtime.serve.body import DEFAULT_MAX_BODY_BYTES
     from runtime.serve.engine_loop import EngineLoop
@@ -141,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
 
     _check_options(args)
     _log_to_stderr()
+    if torchrun_follower():  # rank 0 serves HTTP; this rank runs its calls
+        with open_engine(args) as llm:
+            llm.follow()
+        return 0
     sock = _listening_socket(args.host, args.port)
     start = time.perf_counter()
     failure: list[str] = []

@@ -183,7 +183,7 @@ def test_deinfer_run_cli_at_tp2(model):
 
 
 def test_deinfer_run_under_torchrun(model):
-    """Every rank runs the driver in lockstep; rank 0 prints the same tokens."""
+    """Rank 0 drives and prints the tokens; rank 1 follows its calls."""
     spec_path, ckpt, want = model
     proc = subprocess.run(
         [

@@ -94,7 +94,7 @@ def check_tools() -> None:
         raise UserError(f"emulated links need iproute2: {' and '.join(missing)} not found")
 
 
-def _run(*argv: str) -> None:
+def run_tool(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip().splitlines()
@@ -140,8 +140,8 @@ class EmulatedLinks:
         atexit.register(self.close)
         try:
             self._add_namespace(self.hub)
-            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            run_tool("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            run_tool("ip", "-n", self.hub, "link", "set", "br0", "up")
             for rank in range(self.world):
                 self._join(rank)
         except BaseException:
@@ -150,21 +150,21 @@ class EmulatedLinks:
         return self
 
     def _add_namespace(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
+        run_tool("ip", "netns", "add", name)
         self._made.append(name)
 
     def _join(self, rank: int) -> None:
         ns, port = self.ranks[rank], f"p{rank}"
         self._add_namespace(ns)
-        _run(
+        run_tool(
             "ip", "link", "add", INTERFACE, "netns", ns, "type", "veth",
             "peer", "name", port, "netns", self.hub,
         )  # fmt: skip
-        _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
-        _run("ip", "-n", self.hub, "link", "set", port, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", INTERFACE)
-        _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        run_tool("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+        run_tool("ip", "-n", self.hub, "link", "set", port, "up")
+        run_tool("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", INTERFACE)
+        run_tool("ip", "-n", ns, "link", "set", INTERFACE, "up")
+        run_tool("ip", "-n", ns, "link", "set", "lo", "up")
         self._shape(ns, INTERFACE)  # rank -> bridge
         self._shape(self.hub, port)  # bridge -> rank
 
@@ -180,7 +180,7 @@ class EmulatedLinks:
         """Change every link to ``link`` in place (the ranks keep their connections)."""
         self.link = link
         for ns, dev in self._ends():
-            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root")
+            run_tool("tc", "-n", ns, "qdisc", "del", "dev", dev, "root")
             self._shape(ns, dev)
 
     def _shape(self, ns: str, dev: str) -> None:
@@ -193,18 +193,18 @@ class EmulatedLinks:
         limit = max(1 << 20, int(rate / 8 * 0.2))
         tbf = ["tbf", "rate", f"{int(rate)}bit", "burst", str(burst), "limit", str(limit)]
         if not self.link.latency_s:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
+            run_tool("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
             return
         delay = f"{self.link.latency_s / 2 * 1e6:.0f}us"
         try:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+            run_tool("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                  "delay", delay, "limit", "100000")  # fmt: skip
         except UserError:
             raise UserError(
                 "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so a link latency "
                 "cannot be emulated; give the rate alone (e.g. --link 200mbit)"
             ) from None
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
+        run_tool("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
 
     def close(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them)."""
@@ -224,6 +224,13 @@ def enter_namespace(path: str) -> None:
     """Move this process (its calling thread, and every thread it starts later) into the
     network namespace at ``path``, and point gloo at the namespace's interface. Call it
     first thing in a worker, before any socket or thread exists."""
+    join_namespace(path)
+    os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
+
+
+def join_namespace(path: str) -> None:
+    """Move the calling thread (and the threads it starts later) into the network
+    namespace at ``path``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "setns"):  # Python >= 3.12
@@ -235,7 +242,6 @@ def enter_namespace(path: str) -> None:
                 raise OSError(err, f"setns({path}): {os.strerror(err)}")
     finally:
         os.close(fd)
-    os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
 
 
 def probe_all_gather(nbytes: int, reps: int = 5) -> dict[str, float]:

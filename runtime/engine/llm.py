@@ -27,6 +27,7 @@ from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.failures import CallFailed
 from runtime.dist.launcher import WorkerGroup, init_from_env, under_torchrun
 from runtime.dist.local_worker import LocalWorker
+from runtime.dist.torchrun_group import LEADER, TorchrunFollower, TorchrunLeader
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineFacts, EngineOptions, RunnerConfig, resolve
 from runtime.engine.kv_cache import bytes_per_block
@@ -103,8 +104,7 @@ class LLM:
         tp_size, timeout_s = self.spec.parallel.tp, self.options.timeout_s
         init = (_run_runner, (config,))
         if under_torchrun():
-            # Every rank runs this driver; the scheduler is deterministic and every rank
-            # samples the same tokens, so the ranks stay in lockstep.
+            # Rank 0 drives; the others follow its calls (LLM.follow).
             if self.link is not None:
                 raise UserError("emulated links need the built-in launcher, not torchrun")
             if not dist.is_initialized():
@@ -112,7 +112,8 @@ class LLM:
                 self._owns_group = True
             if dist.get_world_size() != tp_size:
                 raise UserError(f"torchrun started {dist.get_world_size()} ranks, tp is {tp_size}")
-            return LocalWorker(init, spmd=True)
+            leads = dist.get_rank() == LEADER
+            return (TorchrunLeader if leads else TorchrunFollower)(init, self.options.heartbeat_s)
         if tp_size == 1:
             return LocalWorker(init)
         return WorkerGroup(
@@ -122,6 +123,17 @@ class LLM:
             link=self.link,
             heartbeat_s=self.options.heartbeat_s,
         )
+
+    @property
+    def is_leader(self) -> bool:
+        """False on the ranks of a ``torchrun`` job other than 0, which only ``follow``."""
+        return not isinstance(self.workers, TorchrunFollower)
+
+    def follow(self) -> None:
+        """On a ``torchrun`` rank other than 0: run rank 0's calls until it closes."""
+        if self.is_leader:
+            raise UserError("follow is for the ranks of a torchrun job other than 0")
+        self.workers.follow()
 
     def tuning(self) -> TuningReport:
         """What start-up's tuning of the products did on rank 0."""
