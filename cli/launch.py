@@ -14,13 +14,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsl.errors import RuntimeFailure, UserError
 
 COMMANDS = ("run", "serve")  # the engine commands that know how to lead and follow
 DEFAULT_JOIN_TIMEOUT_S = 300.0  # torchrun's own default is 600 s
+# After this machine's ranks have all ended, how long torchrun's agent may take to leave
+# the rendezvous: the machines' ranks end within a second of each other, and an agent
+# whose link to the rendezvous store was cut waits on it for ever (a store call over a
+# silent connection never returns).
+AGENT_LEAVE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,43 @@ def add_launch(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=launch)
 
 
+def _live_children() -> set[int]:
+    """This process's child processes (its ranks) still running, from /proc; a child
+    that ended but was not reaped (the agent is stuck elsewhere) is a zombie, not live."""
+    found: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            for pid in (task / "children").read_text().split():
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    found.add(int(pid))
+    return found
+
+
+def _leave_when_ranks_ended(config: LaunchConfig) -> None:
+    """Once ranks have run here and none is left, give the agent ``AGENT_LEAVE_S`` to
+    finish, then end this process with one line (it is stuck on an unreachable store)."""
+    started = False
+    ended_at = None
+    while True:
+        time.sleep(0.5)
+        alive = bool(_live_children())
+        started = started or alive
+        if not started or alive:
+            ended_at = None
+            continue
+        ended_at = ended_at or time.monotonic()
+        if time.monotonic() - ended_at > AGENT_LEAVE_S:
+            print(
+                f"error: the ranks on this machine have ended, but torchrun's agent could "
+                f"not leave the rendezvous at {config.rdzv_endpoint} within {AGENT_LEAVE_S:g} "
+                "s (unreachable): leaving without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+
 def launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -130,6 +176,7 @@ def launch(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
     )
     config.check()
+    threading.Thread(target=_leave_when_ranks_ended, args=(config,), daemon=True).start()
     try:
         run(parse_args(torchrun_arguments(config, command)))
     except RendezvousError as exc:  # RendezvousTimeoutError among them

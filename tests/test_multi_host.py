@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.launch import AGENT_LEAVE_S as LEAVE_S
 from runtime.dist.emulated_hosts import EmulatedHosts
 from runtime.dist.emulated_link import LinkSpec
 from runtime.engine.llm import LLM
@@ -230,7 +231,8 @@ def test_a_killed_hosts_agent_is_named_by_the_survivor_within_20s(model, lost):
 
 def test_a_cut_link_is_named_by_both_sides(model):
     """Host 1's link goes down mid-generation (no connection is told): rank 0 names rank
-    1 after the heartbeat timeout and its host's job ends; the cut host names rank 0."""
+    1 after the heartbeat timeout and its host's job ends; the cut host names rank 0 and
+    its agent, stuck on the unreachable store, leaves on its own; no process is left."""
     spec, ckpt, _ = model
     run_id = f"cut-{os.getpid()}"
     prompts = [f"t{i} t{i + 1} t{i + 2}" for i in range(1, 9)]
@@ -252,12 +254,16 @@ def test_a_cut_link_is_named_by_both_sides(model):
             agents.procs[0].wait(timeout=40)
             exited_at = time.monotonic() - agents.start
             named_at = agents.wait_for(1, "lost rank 0", timeout_s=30)
+            agents.procs[1].wait(timeout=LEAVE_S + 20)
         finally:
             agents.kill_all()
-    assert agents.procs[0].returncode != 0
+        left = processes_of(run_id)
+    assert agents.procs[0].returncode != 0 and agents.procs[1].returncode != 0
     assert exited_at - cut_at <= 15 + 10  # the heartbeat timeout, then the agent's exit
     assert named_at - cut_at <= 15 + 10
     assert f"lost rank 1 on host {hosts.address(1)}: no heartbeat" in agents.text(0)
+    assert "could not leave the rendezvous" in agents.text(1)
+    assert left == []
 
 
 def test_a_rendezvous_that_never_completes_is_one_line(model):
