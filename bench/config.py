@@ -45,6 +45,10 @@ class BenchConfig:
     # "ratio:X", the rate at which Base's comm / compute per block is X (by the cost
     # model, ``bench.link_planner``). (): loopback.
     links: tuple[str, ...] = ()
+    # Rows behind a link spread their ranks over this many emulated machines (tp // hosts
+    # ranks each, loopback within one; rows whose tp it does not divide into 2 or more
+    # are left out). None: one machine per rank.
+    hosts: int | None = None
     serving: bool = True  # the Poisson serving run
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
@@ -66,6 +70,10 @@ class BenchConfig:
             raise UserError(
                 f"bench: --prompt-len {self.prompt_len} and --output-len {self.output_len}: "
                 "a prompt needs a token, and a decode step two output tokens"
+            )
+        if self.hosts is not None and (self.hosts < 2 or not self.links):
+            raise UserError(
+                f"bench: --hosts {self.hosts}: emulated machines need --link and number at least 2"
             )
         if self.lockstep and self.links:
             raise UserError(

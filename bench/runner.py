@@ -126,6 +126,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         path=cfg.path,
         threads=_threads(cfg, v),
         link=link if v.tp > 1 else None,
+        link_hosts=v.hosts if v.tp > 1 and link else None,
         up_layout=v.up_layout,
         pack_weights=cfg.pack_weights,
         # every row times its own products: no row's forms come from what an earlier

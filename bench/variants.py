@@ -29,6 +29,7 @@ class Variant:
     # rank 0 of this tp degree alone in the bench's process, no collectives: the rank's
     # own work per step (``rank_alone``; timing only)
     alone: bool = False
+    hosts: int | None = None  # behind a link: emulated machines the ranks are spread over
 
     @property
     def label(self) -> str:
@@ -38,6 +39,7 @@ class Variant:
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
         link = "" if self.link is None else f" link={self.link}"
+        link += "" if self.hosts is None else f" hosts={self.hosts}"
         threads = "" if self.threads is None else f" threads={self.threads}"
         alone = " rank alone" if self.alone else ""
         return f"{self.mode}{kv} tp{self.tp}{ratio}{batch}{length}{link}{threads}{alone}"
@@ -55,6 +57,7 @@ class Variant:
             self.up_layout,
             self.threads,
             self.alone,
+            self.hosts,
         )
 
     @property
@@ -169,6 +172,12 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
         if not (kv == "latent" and m != "deinfer")
     ]
+    if cfg.hosts is not None:  # linked rows across emulated machines; the others as they are
+        rows = [
+            replace(v, hosts=cfg.hosts) if v.link else v
+            for v in rows
+            if not v.link or (v.tp >= cfg.hosts and v.tp % cfg.hosts == 0)
+        ]
     if cfg.rank_alone:  # each loopback tp > 1 engine row, then its rank 0 alone
         alone = [(v, replace(v, alone=True)) if v.tp > 1 and v.link is None else (v,) for v in rows]
         rows = [row for pair in alone for row in pair]

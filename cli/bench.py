@@ -93,6 +93,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "200mbit, or ratio:X for the rate at which Base's comm/compute per block is X "
         "(by the cost model, after calibrating this machine); needs root and iproute2",
     )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="with --link: spread each linked row's ranks over this many emulated machines "
+        "(tp // hosts ranks each, loopback between them); default one machine per rank",
+    )
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
@@ -177,6 +184,7 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "hf": True if args.hf else None,
         "rank_alone": True if args.rank_alone else None,
         "links": tuple(args.link) if args.link else None,
+        "hosts": args.hosts,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
         "lockstep": True if args.lockstep else None,
     }

@@ -321,3 +321,35 @@ def test_lockstep_waits_out_spinning_threads_before_another_process_steps(monkey
         runs = measure.lockstep_runs(engines, cfg, vocab=8, threads=threads)
         assert len(runs) == len(engines)
         assert log == expected
+
+
+@needs_netns
+def test_bench_rows_across_emulated_hosts_say_so(tmp_path):
+    """--hosts 2: the linked rows of tp 2 and 4 run on two emulated machines, their
+    labels say hosts=2; tp 1 rows stay as they are."""
+    cfg = BenchConfig(
+        spec=str(SPECS / "tiny-llama.yaml"),
+        tps=(1, 4),
+        modes=("deinfer", "dense"),
+        num_requests=2,
+        prompt_len=4,
+        output_len=3,
+        max_batch=2,
+        breakdown_steps=2,
+        reps=1,
+        serving=False,
+        links=("300mbit",),
+        hosts=2,
+    )
+    results = run_bench(cfg, None)
+    assert {v["label"] for v in results["variants"]} == {
+        "deinfer kv=dense tp1",
+        "dense kv=dense tp1",
+        "deinfer kv=dense tp4 link=300mbit hosts=2",
+        "dense kv=dense tp4 link=300mbit hosts=2",
+    }
+    for v in results["variants"]:
+        assert v["throughput"][0]["decode_tokens_per_s"] > 0
+    assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []
+    with pytest.raises(UserError, match="--hosts 2: emulated machines need --link"):
+        BenchConfig(spec="s", hosts=2)

@@ -103,3 +103,20 @@ def test_reshape_changes_the_rate_in_place() -> None:
         ).stdout
         assert "300Mbit" in shown
     assert _ours() == []
+
+
+def _namespace_of_rank(rank: int, world: int) -> str:
+    return os.readlink("/proc/self/ns/net")
+
+
+@needs_netns
+def test_ranks_spread_over_emulated_hosts_share_their_hosts_namespace() -> None:
+    with WorkerGroup(4, timeout_s=60, link=LinkSpec.parse("400mbit"), hosts=2) as group:
+        assert len(_ours()) == 3  # the hub and two machines, not one namespace per rank
+        spaces = group.run(_namespace_of_rank)
+        gathered = group.run(_gather_and_where)
+    assert spaces[0] == spaces[1] != spaces[2] == spaces[3]
+    assert [g[0] for g in gathered] == [[1.0] * 3 + [2.0] * 3 + [3.0] * 3 + [4.0] * 3] * 4
+    assert _ours() == []
+    with pytest.raises(WorkerError, match="3 emulated hosts for 4 ranks"):
+        WorkerGroup(4, link=LinkSpec.parse("400mbit"), hosts=3)

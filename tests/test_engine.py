@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from dsl.errors import UserError
 from runtime.engine.llm import LLM
 from runtime.engine.sequence import SamplingParams
 from tests.conftest import REPO
@@ -135,6 +136,21 @@ def test_greedy_behind_an_emulated_link_and_after_reshaping_it(model):
         again = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert [o.token_ids for o in again] == want
+
+
+@needs_netns
+def test_greedy_across_emulated_hosts_of_two_ranks(model):
+    """tp 4 on two emulated machines (two ranks each, the link between them) gives
+    transformers' tokens; link_hosts without a link, or not dividing tp, is one line."""
+    spec_path, ckpt, want = model
+    with LLM(spec_path, ckpt, tp=4, link="400mbit", link_hosts=2) as llm:
+        assert "between 2 hosts of 2 ranks" in llm.describe_path()
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
+    with pytest.raises(UserError, match=r"link_hosts spreads the ranks .* needs a link"):
+        LLM(spec_path, ckpt, tp=4, link_hosts=2)
+    with pytest.raises(UserError, match="link_hosts must divide tp 4 into at least 2"):
+        LLM(spec_path, ckpt, tp=4, link="400mbit", link_hosts=3)
 
 
 def test_seeded_sampling_is_deterministic_and_streams(model):

@@ -198,7 +198,10 @@ class WorkerGroup:
 
     ``link`` (gloo only) puts each rank in its own network namespace behind an emulated
     link of that rate (``runtime.dist.emulated_link``), torn down with the group; the
-    all-gather rate measured across it right after start is in ``link_probe``."""
+    all-gather rate measured across it right after start is in ``link_probe``. With
+    ``hosts``, the ranks share that many namespaces instead (emulated machines of
+    ``world // hosts`` consecutive ranks each): ranks of one machine talk over its
+    loopback, only the machines' traffic crosses the links."""
 
     def __init__(
         self,
@@ -208,8 +211,14 @@ class WorkerGroup:
         init: tuple[Callable[..., Any], tuple] | None = None,
         link: LinkSpec | None = None,
         heartbeat_s: float = HEARTBEAT_S,
+        hosts: int | None = None,
     ) -> None:
-        self.world = world
+        if hosts is not None and (link is None or not 2 <= hosts <= world or world % hosts):
+            raise WorkerError(
+                f"{hosts} emulated hosts for {world} ranks: they need a link and must divide "
+                "the ranks evenly, at least 2"
+            )
+        self.world, self.hosts = world, hosts or world
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.procs: list = []
@@ -236,7 +245,8 @@ class WorkerGroup:
         if link is not None:
             if backend != "gloo":
                 raise WorkerError(f"emulated links carry gloo over TCP, not {backend}")
-            self.links = EmulatedLinks(world, link).up()
+            self.links = EmulatedLinks(self.hosts, link).up()
+        per_host = world // self.hosts
         master = self.links.address(0) if self.links else "127.0.0.1"
         self.procs = [
             ctx.Process(
@@ -245,7 +255,7 @@ class WorkerGroup:
                 args=(r, world, port, backend, timeout_s, self.tasks[r], self.results, init),
                 kwargs={
                     "master": master,
-                    "netns": self.links.namespace_path(r) if self.links else None,
+                    "netns": self.links.namespace_path(r // per_host) if self.links else None,
                     "parent": os.getpid(),
                     "beats": self.beats,
                 },

@@ -38,6 +38,9 @@ class EngineOptions:
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
     shm_collectives: bool = True  # same-host CPU ranks talk through shared memory
     link: LinkSpec | str | None = None  # emulated link between the ranks (namespaces)
+    # With a link: the emulated machines the ranks are spread over (tp // link_hosts
+    # consecutive ranks on each, talking over its loopback); None: one machine per rank
+    link_hosts: int | None = None
     num_blocks: int | None = None  # KV blocks; None: what kv_memory_bytes holds
     kv_memory_bytes: int = 256 << 20
     cuda_graphs: bool = True
@@ -148,6 +151,8 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(f"path must be one of {', '.join(PATHS)}, found {options.path!r}")
     if options.tune_budget < 1:
         raise UserError(f"tune_budget must be at least 1 shape, found {options.tune_budget}")
+    if options.link_hosts is not None and options.link is None:
+        raise UserError("link_hosts spreads the ranks over emulated machines: it needs a link")
     if kv == "latent" and options.mode != "deinfer":
         raise UserError(
             "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
@@ -162,6 +167,9 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     kernels = static_kernels(options.backend, path) if path == "static" else "eager"
     link = LinkSpec.parse(options.link) if isinstance(options.link, str) else options.link
     tp = spec.parallel.tp
+    hosts = options.link_hosts
+    if hosts is not None and (not 2 <= hosts <= tp or tp % hosts):
+        raise UserError(f"link_hosts must divide tp {tp} into at least 2 machines, found {hosts}")
     shared = uses_shared_memory(options.shm_collectives, tp, link)
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)

@@ -122,6 +122,7 @@ class LLM:
             init=init,
             link=self.link,
             heartbeat_s=self.options.heartbeat_s,
+            hosts=self.options.link_hosts if self.link is not None else None,
         )
 
     @property
@@ -146,8 +147,10 @@ class LLM:
         text = f"{facts.path} path ({facts.kernels} kernels), {threads}"
         probe = getattr(self.workers, "link_probe", None)
         if self.link is not None and probe:
+            hosts, world = self.workers.hosts, self.workers.world
+            between = f" between {hosts} hosts of {world // hosts} ranks" if hosts < world else ""
             text += (
-                f"; emulated link {self.link.describe()}: one all-gather of "
+                f"; emulated link {self.link.describe()}{between}: one all-gather of "
                 f"{probe['bytes'] / 1e6:.2f} MB per rank received "
                 f"{probe['bytes_per_s'] / 1e6:.1f} MB/s per rank"
             )
