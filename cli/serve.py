@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dsl.errors import RuntimeFailure
-    from runtime.dist.launcher import torchrun_follower
+    from runtime.dist.torchrun_group import torchrun_follower
     from runtime.serve.app import build_app
     from runtime.serve.body import DEFAULT_MAX_BODY_BYTES
     from runtime.serve.engine_loop import EngineLoop

@@ -10,7 +10,7 @@ answer in time ends the whole group with ``WorkerError`` naming the rank, never 
 silent hang: every rank beats a heartbeat once a second, and a rank silent for
 ``heartbeat_s`` (stopped, or hung with its interpreter frozen) is named and the group torn
 down. Ranks die with the driver (a parent-death signal), so no signal to the driver leaves
-them behind. Under ``torchrun`` use ``init_from_env`` instead.
+them behind. Under ``torchrun``: ``runtime.dist.torchrun_group``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PEERS_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Ask the kernel to kill this process when the driver dies (Linux); if the driver
     is already gone, leave now."""
     with contextlib.suppress(OSError, AttributeError):
@@ -92,30 +92,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def torchrun_follower() -> bool:
-    """A ``torchrun`` rank other than 0: it follows rank 0's calls, serves nothing."""
-    return under_torchrun() and os.environ["RANK"] != "0"
-
-
-def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the group that ``torchrun`` describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in os.environ:
-            raise WorkerError(f"{key} is not set: start under torchrun or use WorkerGroup")
-    # A machine's agent killed outright takes its workers along: a worker left running
-    # would keep its peers on other machines waiting for it.
-    _die_with_parent(os.getppid())
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
-
-
 def pin_to_core(rank: int, world: int) -> None:
     """With no more ranks than cores, keep rank r on its own core (cores in the order the
     process may use them), so no two ranks share one and none migrates: a gloo
@@ -146,7 +122,7 @@ def _worker(
     # (a server finishes its requests first), so a rank ignores it and waits for its task.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent:
-        _die_with_parent(parent)
+        die_with_parent(parent)
     if beats is not None:
         threading.Thread(target=_beat, args=(beats, rank), daemon=True).start()
     try:

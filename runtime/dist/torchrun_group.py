@@ -19,15 +19,42 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dsl.errors import UserError
+from runtime.dist.failures import WorkerError
+from runtime.dist.launcher import default_backend, die_with_parent
 from runtime.dist.watchdog import Watchdog, host_address
 
 # The control group waits between calls for as long as the server is idle; a lost peer
 # is the watchdog's to find, not a timeout's.
 IDLE_TIMEOUT = timedelta(days=365)
 LEADER = 0
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def torchrun_follower() -> bool:
+    """A ``torchrun`` rank other than 0: it follows rank 0's calls, serves nothing."""
+    return under_torchrun() and os.environ["RANK"] != "0"
+
+
+def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the group that ``torchrun`` describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise WorkerError(f"{key} is not set: start under torchrun or use WorkerGroup")
+    # A machine's agent killed outright takes its workers along: a worker left running
+    # would keep its peers on other machines waiting for it.
+    die_with_parent(os.getppid())
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
 
 
 class TorchrunRank:

@@ -19,7 +19,8 @@ from dsl.errors import UserError
 from dsl.plan import UP_LAYOUTS, UP_REPLICATED, UP_SHARDED, ModePlan
 from runtime.dist import shm_collectives
 from runtime.dist.emulated_link import LinkSpec
-from runtime.dist.launcher import HEARTBEAT_S, under_torchrun
+from runtime.dist.launcher import HEARTBEAT_S
+from runtime.dist.torchrun_group import under_torchrun
 from runtime.kernels import BACKENDS
 
 PATHS = ("static", "dynamic")

@@ -25,9 +25,15 @@ from dsl.errors import UserError
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.failures import CallFailed
-from runtime.dist.launcher import WorkerGroup, init_from_env, under_torchrun
+from runtime.dist.launcher import WorkerGroup
 from runtime.dist.local_worker import LocalWorker
-from runtime.dist.torchrun_group import LEADER, TorchrunFollower, TorchrunLeader
+from runtime.dist.torchrun_group import (
+    LEADER,
+    TorchrunFollower,
+    TorchrunLeader,
+    init_from_env,
+    under_torchrun,
+)
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineFacts, EngineOptions, RunnerConfig, resolve
 from runtime.engine.kv_cache import bytes_per_block
