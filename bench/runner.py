@@ -126,7 +126,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         path=cfg.path,
         threads=_threads(cfg, v),
         link=link if v.tp > 1 else None,
-        link_hosts=v.hosts if v.tp > 1 and link else None,
+        link_hosts=v.hosts,  # set only on linked rows whose tp it divides
         up_layout=v.up_layout,
         pack_weights=cfg.pack_weights,
         # every row times its own products: no row's forms come from what an earlier

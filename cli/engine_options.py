@@ -132,6 +132,18 @@ def open_engine(args: argparse.Namespace):
     return LLM(args.spec, args.checkpoint, engine_options(args))
 
 
+def follow_rank0(args: argparse.Namespace) -> bool:
+    """On a ``torchrun`` rank other than 0: open the engine and run rank 0's calls until
+    it closes (rank 0 drives, prints and serves HTTP); True then. False elsewhere."""
+    from runtime.dist.torchrun_group import torchrun_follower
+
+    if not torchrun_follower():
+        return False
+    with open_engine(args) as llm:
+        llm.follow()
+    return True
+
+
 def tuned_note(llm) -> str:
     """ " (tuned 8 shapes in 12.3 s: 8 timed, 0 from the cache)" for the start-up line;
     nothing where the products were not tuned."""

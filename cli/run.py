@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from cli.engine_options import add_engine_arguments, open_engine, tuned_note
+from cli.engine_options import add_engine_arguments, follow_rank0, open_engine, tuned_note
 from dsl.errors import UserError
 
 
@@ -29,11 +29,10 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime.engine.sequence import SamplingParams
 
+    if follow_rank0(args):
+        return 0
     start = time.perf_counter()
     with open_engine(args) as llm:
-        if not llm.is_leader:  # a torchrun rank other than 0: rank 0 drives and reports
-            llm.follow()
-            return 0
         print(
             f"loaded in {time.perf_counter() - start:.1f} s{tuned_note(llm)}: tp "
             f"{llm.spec.parallel.tp}, {llm.describe_path()}",

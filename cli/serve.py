@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from cli.engine_options import add_engine_arguments, open_engine, tuned_note
+from cli.engine_options import add_engine_arguments, follow_rank0, open_engine, tuned_note
 
 DEFAULT_MAX_QUEUE = 256  # requests waiting beyond the running batch before a 503
 SWITCH_INTERVAL_S = 0.0005
@@ -134,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dsl.errors import RuntimeFailure
-    from runtime.dist.torchrun_group import torchrun_follower
     from runtime.serve.app import build_app
     from runtime.serve.body import DEFAULT_MAX_BODY_BYTES
     from runtime.serve.engine_loop import EngineLoop
@@ -142,9 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_options(args)
     _log_to_stderr()
-    if torchrun_follower():  # rank 0 serves HTTP; this rank runs its calls
-        with open_engine(args) as llm:
-            llm.follow()
+    if follow_rank0(args):  # rank 0 serves HTTP; this rank runs its calls
         return 0
     sock = _listening_socket(args.host, args.port)
     start = time.perf_counter()

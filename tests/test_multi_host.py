@@ -191,6 +191,24 @@ print(json.dumps(httpx.post(url, json=body, timeout=60).json()))
 """
 
 
+LONG_PROMPTS = [f"t{i} t{i + 1} t{i + 2}" for i in range(1, 9)]
+
+
+def generating(hosts: EmulatedHosts, spec: Path, ckpt: Path, run_id: str) -> Agents:
+    """tp 2 over the two hosts, 8 prompts × 400 tokens (far longer than a test waits),
+    returned a second into the generation."""
+    port = hosts.free_port(0)
+    command = run_args(spec, ckpt, 2, LONG_PROMPTS, 400)
+    agents = Agents([launch_command(hosts, h, port, 1, command, rdzv_id=run_id) for h in range(2)])
+    try:
+        agents.wait_for(0, "loaded in", timeout_s=180)
+    except BaseException:
+        agents.kill_all()
+        raise
+    time.sleep(1.0)
+    return agents
+
+
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_killed_hosts_agent_is_named_by_the_survivor_within_20s(model, lost):
     """Mid-generation, one host's agent gets SIGKILL (its worker dies with it); the
@@ -199,20 +217,9 @@ def test_a_killed_hosts_agent_is_named_by_the_survivor_within_20s(model, lost):
     spec, ckpt, _ = model
     run_id = f"kill-{os.getpid()}-{lost}"
     survivor = 1 - lost
-    prompts = [f"t{i} t{i + 1} t{i + 2}" for i in range(1, 9)]
     with EmulatedHosts(2, LINK) as hosts:
-        port = hosts.free_port(0)
-        agents = Agents(
-            [
-                launch_command(
-                    hosts, h, port, 1, run_args(spec, ckpt, 2, prompts, 400), rdzv_id=run_id
-                )
-                for h in range(2)
-            ]
-        )
+        agents = generating(hosts, spec, ckpt, run_id)
         try:
-            agents.wait_for(0, "loaded in", timeout_s=180)
-            time.sleep(1.0)  # generation is under way: 8 × 400 tokens take far longer
             killed_at = time.monotonic() - agents.start
             agents.procs[lost].send_signal(signal.SIGKILL)
             agents.procs[survivor].wait(timeout=20)
@@ -235,20 +242,9 @@ def test_a_cut_link_is_named_by_both_sides(model):
     its agent, stuck on the unreachable store, leaves on its own; no process is left."""
     spec, ckpt, _ = model
     run_id = f"cut-{os.getpid()}"
-    prompts = [f"t{i} t{i + 1} t{i + 2}" for i in range(1, 9)]
     with EmulatedHosts(2, LINK) as hosts:
-        port = hosts.free_port(0)
-        agents = Agents(
-            [
-                launch_command(
-                    hosts, h, port, 1, run_args(spec, ckpt, 2, prompts, 400), rdzv_id=run_id
-                )
-                for h in range(2)
-            ]
-        )
+        agents = generating(hosts, spec, ckpt, run_id)
         try:
-            agents.wait_for(0, "loaded in", timeout_s=180)
-            time.sleep(1.0)
             cut_at = time.monotonic() - agents.start
             hosts.cut(1)
             agents.procs[0].wait(timeout=40)

@@ -152,12 +152,19 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(f"path must be one of {', '.join(PATHS)}, found {options.path!r}")
     if options.tune_budget < 1:
         raise UserError(f"tune_budget must be at least 1 shape, found {options.tune_budget}")
-    if options.link_hosts is not None and options.link is None:
-        raise UserError("link_hosts spreads the ranks over emulated machines: it needs a link")
     if kv == "latent" and options.mode != "deinfer":
         raise UserError(
             "a latent KV cache needs mode deinfer (base and dense hold no gathered latent)"
         )
+
+
+def _check_link_hosts(hosts: int | None, link: LinkSpec | None, tp: int) -> None:
+    if hosts is None:
+        return
+    if link is None:
+        raise UserError("link_hosts spreads the ranks over emulated machines: it needs a link")
+    if not 2 <= hosts <= tp or tp % hosts:
+        raise UserError(f"link_hosts must divide tp {tp} into at least 2 machines, found {hosts}")
 
 
 def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
@@ -168,9 +175,7 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     kernels = static_kernels(options.backend, path) if path == "static" else "eager"
     link = LinkSpec.parse(options.link) if isinstance(options.link, str) else options.link
     tp = spec.parallel.tp
-    hosts = options.link_hosts
-    if hosts is not None and (not 2 <= hosts <= tp or tp % hosts):
-        raise UserError(f"link_hosts must divide tp {tp} into at least 2 machines, found {hosts}")
+    _check_link_hosts(options.link_hosts, link, tp)
     shared = uses_shared_memory(options.shm_collectives, tp, link)
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)

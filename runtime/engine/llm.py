@@ -128,7 +128,7 @@ class LLM:
             init=init,
             link=self.link,
             heartbeat_s=self.options.heartbeat_s,
-            hosts=self.options.link_hosts if self.link is not None else None,
+            hosts=self.options.link_hosts,
         )
 
     @property
