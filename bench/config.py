@@ -53,6 +53,12 @@ class BenchConfig:
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
     up_layouts: tuple[str, ...] = ("auto",)
+    # deinfer rows: its matrices merged where predicted faster (optimized) or all latent
+    # as in the paper; one row each
+    layouts: tuple[str, ...] = ("optimized",)
+    # how ``ratios`` become ranks: smaller_dim_fraction (the paper's rule) or param_count
+    # (a real parameter cut)
+    rule: str = "smaller_dim_fraction"
     # Engines tune their products with reordered weights (RunnerConfig.pack_weights)
     pack_weights: bool = True
     # Throughput runs of the engine rows of one batch take their steps in turn, each
@@ -203,6 +209,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hf": True,
         "serving": False,
         "breakdown_steps": 4,
+    },
+    # When does the decomposed model serve faster than the dense one: cpu-demo at tp 2
+    # and 4, deinfer in the optimized and the paper's layouts beside Base and the dense
+    # model, batch 16 and 1, on loopback. Run once per rule: as is (the paper's rule,
+    # 40 %) and with --rule param_count. Links: rows that differ only in their link share
+    # an engine, whose layout is chosen at its start; run behind one link at a time
+    # (--link ratio:0.373, then --link ratio:5.18).
+    "vs-dense-cpu": {
+        "spec": "specs/cpu-demo.yaml",
+        "tps": (2, 4),
+        "ratios": (0.4,),
+        "batches": (16, 1),
+        "num_requests": 16,
+        "max_batch": 16,
+        "prompt_len": 16,
+        "output_len": 16,
+        "layouts": ("optimized", "paper"),
+        "hf": True,
+        "serving": False,
+        "breakdown": False,
+        "lockstep": True,  # the engine rows of one batch step in turn (as cpu-target)
+        "phase_by_tp": True,  # one tp degree's engines in memory at a time
     },
     "paper-high-load-cpu": {
         "spec": "specs/cpu-demo.yaml",

@@ -29,6 +29,7 @@ def _key(var: dict[str, Any], **changes: Any) -> tuple:
         "max_seq_len": var["max_seq_len"],
         "link": var.get("link"),
         "up_layout": var.get("up_layout", "auto"),
+        "layout": var.get("layout", "optimized"),
         "threads": var.get("threads"),
         "alone": bool(var.get("alone")),
     }
@@ -44,6 +45,7 @@ _TRANSFORMERS = {
     "max_seq_len": None,
     "link": None,
     "up_layout": "auto",
+    "layout": "optimized",
     "threads": None,
     "alone": False,
 }
@@ -75,11 +77,20 @@ def add_ratios(results: dict[str, Any]) -> None:
 
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
-    base = rates.get(_key(var, mode="base", kv_cache="dense", up_layout="auto"))
+    others = {"kv_cache": "dense", "up_layout": "auto", "layout": "optimized"}
+    base = rates.get(_key(var, mode="base", **others))
+    dense = rates.get(_key(var, mode="dense", **others))
     hf = rates.get(_key(var, **_TRANSFORMERS))
     var["decode_speedup_vs_base"] = median / statistics.median(base) if base else None
     if base:
         var["decode_speedup_vs_base_per_rep"] = _paired(_rates(var), base)
+    # the dense model under the same tp, link and batch: what a user would serve instead
+    var["decode_speedup_vs_dense"] = median / statistics.median(dense) if dense else None
+    if dense:
+        var["decode_speedup_vs_dense_per_rep"] = _paired(_rates(var), dense)
+    if var["mode"] == "deinfer" and var.get("layout", "optimized") != "paper":
+        paper = rates.get(_key(var, layout="paper"))
+        var["decode_speedup_vs_paper_layout"] = median / statistics.median(paper) if paper else None
     var["decode_speedup_vs_hf"] = median / statistics.median(hf) if hf else None
 
 

@@ -43,6 +43,15 @@ def _vs_base(v: dict[str, Any]) -> str:
     return f"{_x(v['decode_speedup_vs_base'])} ({paired['min']:.2f}–{paired['max']:.2f})"
 
 
+def _vs_dense(v: dict[str, Any]) -> str:
+    """The row's decode rate over the dense model's under the same tp, link and batch
+    (and the range within one repetition)."""
+    paired = v.get("decode_speedup_vs_dense_per_rep")
+    if not paired or v["mode"] == "dense":
+        return _x(v.get("decode_speedup_vs_dense"))
+    return f"{_x(v['decode_speedup_vs_dense'])} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
 def _vs_dense_kv(v: dict[str, Any]) -> str:
     """A latent-KV row's decode step over the dense-KV row's (and the range within one
     repetition)."""
@@ -77,6 +86,7 @@ def _header(latent: bool, scaling: bool) -> list[str]:
         "threads/rank",
         "decode tok/s (min / median / max)",
         "vs base",
+        "vs dense",
         "vs hf",
         *(["vs tp 1"] if scaling else []),
         *(["step vs kv=dense"] if latent else []),
@@ -130,8 +140,12 @@ def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
     return (
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
-        "(products D·U), same prompts and lengths, EOS ignored. *vs base*: ratio of the "
-        "medians (in brackets: the lowest and highest ratio within one repetition). "
+        "(products D·U), same prompts and lengths, EOS ignored. *vs base*, *vs dense*: ratio "
+        "of the medians to Base's and to the dense model's (Megatron TP over the products "
+        "D·U) in the same configuration (in brackets: the lowest and highest ratio within one "
+        "repetition). *layout=paper*: deinfer with every decomposed matrix latent, as in the "
+        "paper; without it, the optimized layout (each matrix merged or latent as the cost "
+        "model predicts faster). "
         + (
             "*step vs kv=dense*: a latent-KV row's decode step time over the same engine's "
             "with a dense KV cache (in brackets: within one repetition). "
@@ -188,7 +202,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
-            f"{_vs_base(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            f"{_vs_base(v)} | {_vs_dense(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
             + (f"{_vs_tp1(v)} | " if scaling else "")
             + (f"{_vs_dense_kv(v)} | " if latent else "")
             + f"{'' if floor is None else f'{floor:.0%}'} | "

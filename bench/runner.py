@@ -11,6 +11,7 @@ decode step must read over the memory bandwidth the bench measures.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class _Models:
         if v.ratio not in self.checkpoints:
             ckpt = self.folder / f"checkpoint-{len(self.checkpoints)}"
             write_random_checkpoint(spec, ckpt, self.cfg.seed)
+            os.sync()  # its write-back must not run beside the next engine's tuning
             self.checkpoints[v.ratio] = ckpt
         return spec
 
@@ -128,13 +130,17 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         link=link if v.tp > 1 else None,
         link_hosts=v.hosts,  # set only on linked rows whose tp it divides
         up_layout=v.up_layout,
+        layout=v.layout,
+        plan_batch=v.batch,  # the layout chosen for the row's decode batch
         pack_weights=cfg.pack_weights,
         # every row times its own products: no row's forms come from what an earlier
         # run measured on a machine that may have been busier
         tune_cache=False,
     )
     llm = engine_class(spec, ckpt, options)
-    return llm, spec
+    # the spec the engine executes (its merged matrices undecomposed): what its
+    # collectives and the link planner's predictions follow
+    return llm, llm.execution_spec
 
 
 def _threads(cfg: BenchConfig, v: Variant) -> int:

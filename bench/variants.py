@@ -12,6 +12,7 @@ import torch
 
 from bench.config import BenchConfig
 from dsl import Spec, build_plan, with_ratio, with_runtime, with_tp
+from dsl.layout import OPTIMIZED
 from dsl.plan import UP_REPLICATED
 
 
@@ -30,11 +31,13 @@ class Variant:
     # own work per step (``rank_alone``; timing only)
     alone: bool = False
     hosts: int | None = None  # behind a link: emulated machines the ranks are spread over
+    layout: str = OPTIMIZED  # deinfer's matrices merged as predicted faster, or the paper's
 
     @property
     def label(self) -> str:
         kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
         kv += "" if self.up_layout == "auto" else f" up={self.up_layout}"
+        kv += "" if self.layout == OPTIMIZED else f" layout={self.layout}"
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
@@ -58,6 +61,7 @@ class Variant:
             self.threads,
             self.alone,
             self.hosts,
+            self.layout,
         )
 
     @property
@@ -138,7 +142,7 @@ def variant_spec(base: Spec, v: Variant, cfg: BenchConfig) -> Spec:
     and lengths."""
     spec = with_tp(base, v.tp)
     if v.ratio is not None:
-        spec = with_ratio(spec, v.ratio, "smaller_dim_fraction", rank_multiple=2)
+        spec = with_ratio(spec, v.ratio, cfg.rule, rank_multiple=2)
     return with_runtime(
         spec,
         max_batch_size=max_batch(cfg),
@@ -160,7 +164,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     batches = cfg.batches or (None,)
     lengths = cfg.max_seq_lens or (None,)
     rows = [
-        Variant(m, kv, tp, r, b, n, link, up, threads)
+        Variant(m, kv, tp, r, b, n, link, up, threads, layout=layout)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
         for link in (cfg.links or (None,) if tp > 1 else (None,))
@@ -169,6 +173,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for kv in cfg.kv_caches
         for b in batches
         for up in (cfg.up_layouts if m == "deinfer" else ("auto",))
+        for layout in (cfg.layouts if m == "deinfer" else (OPTIMIZED,))
         for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
         if not (kv == "latent" and m != "deinfer")
     ]

@@ -85,6 +85,17 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="deinfer rows: o/down up-factor layouts, e.g. auto,replicated,sharded",
     )
     p.add_argument(
+        "--layouts",
+        default=None,
+        help="deinfer rows: matrix layouts, e.g. optimized,paper (default optimized)",
+    )
+    p.add_argument(
+        "--rule",
+        choices=("smaller_dim_fraction", "param_count"),
+        default=None,
+        help="how --ratios become ranks: the paper's rule (default) or a parameter cut",
+    )
+    p.add_argument(
         "--link",
         action="append",
         default=None,
@@ -186,6 +197,8 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "links": tuple(args.link) if args.link else None,
         "hosts": args.hosts,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
+        "layouts": tuple(args.layouts.split(",")) if args.layouts else None,
+        "rule": args.rule,
         "lockstep": True if args.lockstep else None,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})

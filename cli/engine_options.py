@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dsl.layout import LAYOUTS, OPTIMIZED
 from dsl.plan import MODES, UP_LAYOUTS
 from runtime.dist.launcher import HEARTBEAT_S
 from runtime.engine.config import EngineOptions
@@ -40,6 +41,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="deinfer: hold the o/down up factors replicated (the paper) or sharded with an "
         "all-gather of the output; auto: sharded where the ranks share memory",
     )
+    _add_layout_arguments(p)
     p.add_argument(
         "--link",
         default=None,
@@ -48,6 +50,30 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(tc units; needs root and iproute2)",
     )
     _add_safety_arguments(p)
+
+
+def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """Which of deinfer's matrices run merged (D·U, a dense shard) and which latent."""
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=OPTIMIZED,
+        help="deinfer: each matrix merged or latent as the cost model predicts faster "
+        "(optimized, default), or every decomposed matrix latent as in the paper (paper)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="device profile the optimized layout is chosen for (a name in tune/profiles "
+        "or a .yaml path; default cpu-here on a CPU, a800-nvlink on a GPU)",
+    )
+    p.add_argument(
+        "--plan-batch",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="decode rows the optimized layout is chosen for (default: the max batch)",
+    )
 
 
 def _add_tuning_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +140,9 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         tune_budget=args.tune_budget,
         tune_cache=args.tune_cache,
         up_layout=args.up_layout,
+        layout=args.layout,
+        profile=args.profile,
+        plan_batch=args.plan_batch,
         link=args.link,
         heartbeat_s=args.timeout_s or HEARTBEAT_S,
         allow_extreme_weights=args.allow_extreme_weights,

@@ -6,7 +6,6 @@ Every user error (bad spec, bad option) is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -14,35 +13,15 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 
-from dsl import MODES, build_plan, load_spec
 from dsl.errors import RuntimeFailure, UserError
-from dsl.report import plan_json, plan_table, shards_table
 
 EXIT_USAGE = 2
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
-    plan = build_plan(spec, tp=args.tp, modes=(args.mode,) if args.mode else MODES)
-    if args.json:
-        print(json.dumps(plan_json(plan), indent=2))
-    else:
-        print(plan_table(plan))
-        if args.shards:
-            print(shards_table(plan))
-    return 0
-
-
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="sharding, communication, FLOPs and memory plan of a spec")
-    p.add_argument("spec", help="path to a YAML spec")
-    p.add_argument("--tp", type=int, default=None, help="TP degree (default: the spec's)")
-    p.add_argument("--mode", choices=MODES, default=None, help="only this mode")
-    p.add_argument("--json", action="store_true", help="print one JSON object (shards included)")
-    p.add_argument(
-        "--shards", action="store_true", help="also list every factor's slice on every rank"
-    )
-    p.set_defaults(func=_cmd_plan)
+    from cli.plan import add_plan
+
+    add_plan(sub)
 
 
 def _add_gen(sub: argparse._SubParsersAction) -> None:

@@ -42,6 +42,12 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None, help="with --checkpoint (default: the spec's)")
     p.add_argument("--threads", type=int, default=None, help="with --checkpoint: per rank")
     p.add_argument(
+        "--layout",
+        choices=("optimized", "paper"),
+        default="optimized",
+        help="with --checkpoint: deinfer's matrix layout the start will run (default optimized)",
+    )
+    p.add_argument(
         "--tune-budget",
         type=int,
         default=DEFAULT_BUDGET,
@@ -126,7 +132,9 @@ def fill_cpu_cache(args: argparse.Namespace) -> int:
     from runtime.engine.llm import LLM
     from runtime.kernels.gemm_tuning import cache_dir
 
-    options = EngineOptions(tp=args.tp, threads=args.threads, tune_budget=args.tune_budget)
+    options = EngineOptions(
+        tp=args.tp, threads=args.threads, tune_budget=args.tune_budget, layout=args.layout
+    )
     with LLM(str(args.spec), str(args.checkpoint), options) as llm:
         report, tp = llm.tuning(), llm.spec.parallel.tp
     print(f"{report.describe()}; kept in {cache_dir()} for starts at tp {tp}")

@@ -54,13 +54,28 @@ def build_plan(
     return Plan(spec=spec, tp=tp, modes={m: _mode_plan(spec, tp, m, up_layout) for m in modes})
 
 
-def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str) -> ModePlan:
-    model = spec.model
+def layer_plan_for(
+    model: ModelConfig,
+    shape: LayerRanks,
+    tp: int,
+    mode: str,
+    up_layout: str = UP_REPLICATED,
+    layers: tuple[int, ...] = (),
+    shape_id: str = "s0",
+) -> LayerPlan:
+    """The plan of one layer shape on its own (``build_plan`` builds every shape's);
+    what the layout choice (``tune.layout``) compares its candidates with."""
     up_layout = up_layout if mode == "deinfer" and tp > 1 else UP_REPLICATED
     deinfer = partial(_deinfer_layer, up_layout=up_layout)
     builder = {"deinfer": deinfer, "base": _base_layer, "dense": _dense_layer}[mode]
+    return builder(model, shape, layers, tp, shape_id)
+
+
+def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str) -> ModePlan:
+    model = spec.model
+    up_layout = up_layout if mode == "deinfer" and tp > 1 else UP_REPLICATED
     layer_plans = tuple(
-        builder(model, shape, spec.layers_of_shape(shape), tp, f"s{i}")
+        layer_plan_for(model, shape, tp, mode, up_layout, spec.layers_of_shape(shape), f"s{i}")
         for i, shape in enumerate(spec.layer_shapes())
     )
     h, vocab_local = model.hidden_size, pad_to(model.vocab_size, tp) // tp

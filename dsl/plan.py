@@ -137,6 +137,12 @@ class ModePlan:
         """The plan of a layer with these ranks (layers of equal ranks share one)."""
         return next(lp for lp in self.layer_plans if lp.shape == ranks)
 
+    def per_layer(self) -> tuple[LayerPlan, ...]:
+        """Each transformer layer's plan, by index (a layer whose merged matrices run
+        as dense shards has the plan of its execution ranks, not of its checkpoint's)."""
+        by_index = {i: lp for lp in self.layer_plans for i in lp.layers}
+        return tuple(by_index[i] for i in range(self.num_layers))
+
     def _layer_mean(self, value) -> float:
         return sum(value(lp) * len(lp.layers) for lp in self.layer_plans) / self.num_layers
 

@@ -14,6 +14,9 @@ from tests.conftest import REPO, SPECS
 LAYERS = (
     "dsl",
     "tune.store",
+    "tune.profiles",  # the cost model's leaves, below the runtime that chooses its layout
+    "tune.cost_model",
+    "tune.layout",
     "codegen",
     "runtime",  # its rooms, in order:
     "runtime.kernels",

@@ -153,10 +153,11 @@ def test_bench_against_transformers_and_the_floor(tmp_path):
     # Dense mode at tp 1 streams exactly the weights transformers holds (the products).
     dense, hf = rows["dense kv=dense tp1 b1 len16"], rows["hf tp1 b1"]
     assert dense["streamed_weight_bytes_per_rank"] == hf["streamed_weight_bytes_per_rank"]
-    assert (
-        rows["deinfer kv=dense tp1 b1 len16"]["streamed_weight_bytes_per_rank"]
-        != (hf["streamed_weight_bytes_per_rank"])
-    )
+    # deinfer's optimized layout merges a matrix only where that streams fewer bytes or
+    # saves time, so it never streams more than the products
+    deinfer = rows["deinfer kv=dense tp1 b1 len16"]
+    assert deinfer["streamed_weight_bytes_per_rank"] <= hf["streamed_weight_bytes_per_rank"]
+    assert dense["decode_speedup_vs_dense"] == 1.0 and deinfer["decode_speedup_vs_dense"] > 0
     assert dense["path"] == "dynamic"
     table = markdown(results)
     assert "| hf tp1 b2 |" in table and "GB/s" in table

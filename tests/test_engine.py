@@ -58,25 +58,37 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize(
-    "tp,mode,kv,up",
+    "tp,mode,kv,up,layout",
     [
-        (1, "deinfer", "dense", "auto"),
-        (1, "deinfer", "latent", "auto"),
-        (1, "base", "dense", "auto"),
-        (1, "dense", "dense", "auto"),
+        (1, "deinfer", "dense", "auto", "paper"),
+        (1, "deinfer", "latent", "auto", "paper"),
+        (1, "base", "dense", "auto", "paper"),
+        (1, "dense", "dense", "auto", "paper"),
         # auto: o/down up factors split by columns (the ranks share memory here)
-        (2, "deinfer", "dense", "auto"),
-        (2, "deinfer", "latent", "auto"),
-        (2, "deinfer", "dense", "replicated"),  # the paper's layout
-        (2, "base", "dense", "auto"),
-        (2, "dense", "dense", "auto"),
+        (2, "deinfer", "dense", "auto", "paper"),
+        (2, "deinfer", "latent", "auto", "paper"),
+        (2, "deinfer", "dense", "replicated", "paper"),  # the paper's layout
+        (2, "base", "dense", "auto", "paper"),
+        (2, "dense", "dense", "auto", "paper"),
+        # optimized: on this tiny model every matrix merged (dense KV), or some beside
+        # the latent cache's k and v
+        (1, "deinfer", "dense", "auto", "optimized"),
+        (2, "deinfer", "dense", "auto", "optimized"),
+        (2, "deinfer", "latent", "auto", "optimized"),
     ],
 )
-def test_greedy_equals_transformers(model, tp, mode, kv, up, path):
+def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
     spec_path, ckpt, want = model
     backend = "triton" if (tp, kv) == (2, "latent") else "torch"
     options = {"kv_cache": kv, "backend": backend, "path": path, "up_layout": up}
-    with LLM(spec_path, ckpt, tp=tp, mode=mode, **options) as llm:
+    with LLM(spec_path, ckpt, tp=tp, mode=mode, layout=layout, **options) as llm:
+        merged = {n for names in llm.facts.merges.values() for n in names}
+        if layout == "paper" or mode != "deinfer":
+            assert merged == set()
+        elif kv == "dense":  # the cost model's choice (profile cpu-here): all merged
+            assert merged == set(TINY_RANKS)
+        else:  # a latent cache keeps k and v latent; others merged beside them
+            assert merged and not merged & {"k", "v"}
         want_layout = "sharded" if (tp, mode, up) == (2, "deinfer", "auto") else "replicated"
         assert llm.workers.call("plan_up_layout") == [want_layout] * tp
         # r_k = 5 over 2 KV heads of 8: 2 RoPE pairs copied, shared out over the ranks

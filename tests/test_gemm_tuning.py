@@ -202,7 +202,8 @@ def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_pat
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outputs, reports = [], []
     for _ in range(2):
-        with LLM(str(spec_path), str(tmp_path / "lowrank"), tp=1, tune_budget=5) as llm:
+        # the paper's layout: every matrix latent, each layer's own factor shapes
+        with LLM(spec_path, tmp_path / "lowrank", tp=1, tune_budget=5, layout="paper") as llm:
             reports.append(llm.tuning())
             outputs.append(llm.generate([[1, 2, 3, 4]], params)[0].token_ids)
     first, second = reports
@@ -214,8 +215,10 @@ def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_pat
     # ``deinfer tune --checkpoint`` fills a cache ahead of time: a start after it times none
     monkeypatch.setenv("DEINFER_CACHE_DIR", str(tmp_path / "ahead"))
     lowrank = str(tmp_path / "lowrank")
-    ahead = deinfer_cli("tune", str(spec_path), "--checkpoint", lowrank, "--tune-budget", "5")
+    ahead = deinfer_cli(
+        "tune", str(spec_path), "--checkpoint", lowrank, "--tune-budget", "5", "--layout", "paper"
+    )
     assert ahead.returncode == 0, ahead.stderr
     assert f"{first.timed} timed, 0 from the cache" in ahead.stdout
-    with LLM(str(spec_path), lowrank, tp=1, tune_budget=5) as llm:
+    with LLM(str(spec_path), lowrank, tp=1, tune_budget=5, layout="paper") as llm:
         assert (llm.tuning().timed, llm.tuning().cached) == (0, first.classes)

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from compress.decompose import model_section
-from dsl import build_plan, parse_spec
+from dsl import parse_spec
 from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from tests.conftest import TP_EXAMPLES
 from tests.hf_models import FAMILIES, build_hf, decompose_with_cli, hf_configs, load_products
 from tests.strategies import matrix_limits
-from tests.tp_workers import run_model, run_parts
+from tests.tp_workers import execution_plan, run_model
 
 # fp32 everywhere; the sharded sums and the SVD products reorder additions.
 TOL = 1e-4
@@ -36,6 +36,10 @@ RUNS = (
     ("deinfer", "eager", UP_SHARDED, "released"),
     ("base", "eager", UP_REPLICATED, "released"),
     ("dense", "eager", UP_REPLICATED, "released"),
+    # per-matrix layout: some matrices merged (D·U, dense shards), the others latent
+    ("deinfer", "eager", UP_REPLICATED, "mixed"),
+    ("deinfer", "eager", UP_SHARDED, "mixed"),
+    ("deinfer", "torch", UP_REPLICATED, "mixed"),
 )
 
 
@@ -115,8 +119,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
     for run in RUNS[1:]:
         assert (per_rank[0][run][0] - first).abs().max().item() <= 2 * TOL * scale, run
     for run in RUNS:
-        mode, _, layout = run_parts(run)
-        plan = build_plan(spec, up_layout=layout)
+        _, mode_plan = execution_plan(spec, tp, run)
         logits, elements = per_rank[0][run]
         err = (logits - want).abs().max().item()
         assert err <= TOL * scale, (family, run, err)
@@ -124,8 +127,7 @@ def test_tp_model_matches_transformers(groups, tmp_path_factory, family, data):
             assert torch.equal(other[run][0], logits), "ranks disagree"
         # The comm counter's per-block elements equal the plan's, exactly.
         expected = {}
-        for layer in spec.decomposition.layers:
-            lp = plan.modes[mode].layer_plan(layer)
+        for lp in mode_plan.per_layer():
             for c in lp.collectives:
                 expected[c.kind] = expected.get(c.kind, 0) + c.elements * tokens
         blocks = {k: v for k, v in elements.items() if ":" not in k}

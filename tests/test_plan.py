@@ -348,7 +348,9 @@ def test_comm_units_are_layer_means_of_the_collectives(raw):
 def test_cli_plan_json_top_level(capsys):
     from cli.main import main
 
-    assert main(["plan", str(SPECS / "llama3-70b-r40.yaml"), "--tp", "8", "--json"]) == 0
+    # the paper's layout: every decomposed matrix latent (the optimized one: test_layout)
+    seventy_b = str(SPECS / "llama3-70b-r40.yaml")
+    assert main(["plan", seventy_b, "--tp", "8", "--json", "--layout", "paper"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {"spec", "tp", "modes"} and data["tp"] == 8
     assert set(data["modes"]) == {"deinfer", "base", "dense"}
@@ -367,7 +369,8 @@ def test_cli_plan_json_top_level(capsys):
     assert q_u["ranges"][1] == [1024, 2048] and q_u["split"] == "cols"
     segments = shards["concats"][0]["segments"]  # 768 columns a rank: q ends in chunk 6
     assert [[s[0] for s in chunk] for chunk in segments[5:]] == [["q"], ["q", "k"], ["k", "v"]]
-    assert main(["plan", str(SPECS / "tiny-llama.yaml"), "--shards", "--mode", "deinfer"]) == 0
+    tiny = str(SPECS / "tiny-llama.yaml")
+    assert main(["plan", tiny, "--shards", "--mode", "deinfer", "--layout", "paper"]) == 0
     assert "rank 1: q[26:27]@0, k[0:13]@1, v[0:11]@14" in capsys.readouterr().out
     assert main(["plan", str(SPECS / "llama3-70b-r40.yaml"), "--mode", "base"]) == 0
     table = capsys.readouterr().out

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from codegen import generated_folder
 from dsl import build_plan, parse_spec
+from dsl.layout import with_merged
 from dsl.plan import UP_REPLICATED
 from runtime.dist.comm import Comm
 from runtime.kernels.loader import load_generated
@@ -33,6 +35,28 @@ def causal_attention(captured: list):
         return out.transpose(0, 1).to(q.dtype)
 
     return attention
+
+
+def mixed_merges(spec):
+    """A mixed layout for tests: in even layer shapes q, o and up (fc1) merged — column
+    groups with merged and latent members, a merged row matrix beside a latent one — in
+    odd shapes k, v and down (fc2): no latent cache, a merged MLP output."""
+    picks = ({"q", "o", "up", "fc1"}, {"k", "v", "down", "fc2"})
+    merges = {}
+    for i, shape in enumerate(spec.layer_shapes()):
+        ranks = shape.as_dict()
+        names = frozenset(n for n in picks[i % 2] if ranks.get(n) is not None)
+        if names:
+            merges[shape] = names
+    return merges
+
+
+def execution_plan(spec, world, run):
+    """(the spec the run executes, its mode plan): ``"mixed"`` in ``run`` merges
+    ``mixed_merges`` (the optimized layout's machinery on a fixed choice)."""
+    mode, _, layout = run_parts(run)
+    executed = with_merged(spec, mixed_merges(spec)) if "mixed" in run[3:] else spec
+    return executed, build_plan(executed, tp=world, up_layout=layout).modes[mode]
 
 
 def run_parts(run: tuple[str, ...]) -> tuple[str, str, str]:
@@ -138,12 +162,15 @@ def run_model(rank, world, spec_text, folder, checkpoint, prompts, runs):
         cu.append(cu[-1] + len(p))
     results = {}
     for run in runs:
-        mode, backend, layout = run_parts(run)
-        plan = build_plan(spec, tp=world, up_layout=layout)
+        _, backend, _ = run_parts(run)
+        executed, mode_plan = execution_plan(spec, world, run)
+        kernels = registry
+        if executed != spec:  # its own kernels: the concat-splits lose merged members
+            kernels = load_generated(generated_folder(executed, folder + "-none")).KERNELS
         comm = Comm(count=True)
-        weights = load_rank_weights(checkpoint, spec, plan.modes[mode], rank, torch.float32)
-        execution = execution_for(spec.model, registry, backend)
-        model = TPModel(spec, plan.modes[mode], rank, comm, execution, weights)
+        weights = load_rank_weights(checkpoint, spec, mode_plan, rank, torch.float32)
+        execution = execution_for(spec.model, kernels, backend)
+        model = TPModel(spec, mode_plan, rank, comm, execution, weights)
         if backend == "eager":
             model.prepare_eager()
         if "released" in run[3:]:

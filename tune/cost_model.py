@@ -132,6 +132,19 @@ def _commonest(mp: ModePlan) -> LayerPlan:
     return max(mp.layer_plans, key=lambda lp: len(lp.layers))
 
 
+def layer_seconds(lp: LayerPlan, mp: ModePlan, dev: DeviceProfile, work: Workload) -> float:
+    """Predicted time of one layer of plan ``lp`` (run under ``mp``'s tp, head size and
+    dtype): its GEMMs, attention, per-operator overhead and collectives."""
+    b = mp.dtype_bytes
+    gemms = local_gemms(lp)
+    return (
+        sum(gemm_seconds(work.tokens, i, o, b, dev) for _, i, o in gemms)
+        + attention_seconds(lp, mp, work, dev)
+        + (len(gemms) + ELEMENTWISE_OPS) * dev.op_overhead_s
+        + comm_seconds(lp, mp.tp, work.tokens, dev, b)
+    )
+
+
 def predict_block(mp: ModePlan, dev: DeviceProfile, work: Workload) -> BlockPrediction:
     """The mean block of ``mp`` (layers weighted by count) at ``work`` on ``dev``."""
     b = mp.dtype_bytes

@@ -10,18 +10,22 @@ built once with those facts, and both of the above."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dsl import MODES, Spec
 from dsl.errors import UserError
+from dsl.layout import LAYOUTS, OPTIMIZED, Merges
 from dsl.plan import UP_LAYOUTS, UP_REPLICATED, UP_SHARDED, ModePlan
 from runtime.dist import shm_collectives
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.launcher import HEARTBEAT_S
 from runtime.dist.torchrun_group import under_torchrun
 from runtime.kernels import BACKENDS
+from tune.cost_model import Workload
+from tune.layout import choose_layout, merges_of
+from tune.profiles import DeviceProfile, load_profile
 
 PATHS = ("static", "dynamic")
 
@@ -37,6 +41,13 @@ class EngineOptions:
     kv_cache: str | None = None  # dense | latent | auto; None: the spec's
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
+    # deinfer's matrices: optimized (each merged or latent, as the cost model predicts
+    # faster: tune.layout) | paper (every decomposed matrix latent, the paper's dataflow)
+    layout: str = OPTIMIZED
+    # The device profile (tune.profiles: a name or a .yaml path) the optimized layout is
+    # chosen for; None: cpu-here on a CPU, a800-nvlink on a GPU.
+    profile: str | None = None
+    plan_batch: int | None = None  # decode rows the layout is chosen for; None: max batch
     shm_collectives: bool = True  # same-host CPU ranks talk through shared memory
     link: LinkSpec | str | None = None  # emulated link between the ranks (namespaces)
     # With a link: the emulated machines the ranks are spread over (tp // link_hosts
@@ -83,6 +94,7 @@ class EngineFacts:
     shm_collectives: bool  # whether the ranks all-reduce and all-gather in shared memory
     up_layout: str  # deinfer's o/down up factors: replicated | sharded
     link: LinkSpec | None
+    merges: Merges = field(default_factory=dict)  # deinfer's merged matrices per shape
 
     @property
     def static(self) -> bool:
@@ -150,6 +162,10 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(f"mode must be one of {', '.join(MODES)}, found {options.mode!r}")
     if options.path is not None and options.path not in PATHS:
         raise UserError(f"path must be one of {', '.join(PATHS)}, found {options.path!r}")
+    if options.layout not in LAYOUTS:
+        raise UserError(f"layout must be one of {', '.join(LAYOUTS)}, found {options.layout!r}")
+    if options.plan_batch is not None and options.plan_batch < 1:
+        raise UserError(f"plan_batch must be at least 1 row, found {options.plan_batch}")
     if options.tune_budget < 1:
         raise UserError(f"tune_budget must be at least 1 shape, found {options.tune_budget}")
     if kv == "latent" and options.mode != "deinfer":
@@ -179,7 +195,36 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     shared = uses_shared_memory(options.shm_collectives, tp, link)
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)
-    return EngineFacts(path, kernels, kv, threads, shared, layout, link)
+    merges = planned_merges(options, spec, kv, layout, link)
+    return EngineFacts(path, kernels, kv, threads, shared, layout, link, merges)
+
+
+def layout_profile(name: str | None, link: LinkSpec | None) -> DeviceProfile:
+    """The device profile the layout is chosen for: ``name`` or this machine's kind, its
+    link replaced by an emulated one's rate and latency where the ranks sit behind one."""
+    dev = load_profile(name or ("a800-nvlink" if torch.cuda.is_available() else "cpu-here"))
+    if link is None:
+        return dev
+    return replace(
+        dev,
+        link_bytes_per_s=min(dev.link_bytes_per_s, link.bytes_per_s),
+        link_latency_s=dev.link_latency_s + link.latency_s,
+    )
+
+
+def planned_merges(
+    options: EngineOptions, spec: Spec, kv: str, up_layout: str, link: LinkSpec | None
+) -> Merges:
+    """deinfer's optimized layout for ``spec``: what ``tune.layout`` predicts fastest at
+    ``plan_batch`` decode rows over half the longest context (nothing merged under the
+    paper's layout or in the other modes; k and v kept latent for a latent cache)."""
+    if options.mode != "deinfer" or options.layout != OPTIMIZED:
+        return {}
+    rt = spec.runtime
+    work = Workload(options.plan_batch or rt.max_batch_size, rt.max_seq_len // 2, kv)
+    dev = layout_profile(options.profile, link)
+    choices = choose_layout(spec, dev, work, up_layout=up_layout, keep_latent_kv=kv == "latent")
+    return merges_of(choices)
 
 
 @dataclass(frozen=True)

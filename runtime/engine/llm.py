@@ -22,6 +22,7 @@ import torch.distributed as dist
 from codegen import generated_folder
 from dsl import Spec, build_plan, load_spec, with_tp
 from dsl.errors import UserError
+from dsl.layout import with_merged
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.failures import CallFailed
@@ -71,12 +72,19 @@ class LLM:
         self.options, self.facts = options, self._resolve(options)
         self.link = self.facts.link  # set_link reshapes it
         mode = options.mode
-        self.plan = build_plan(self.spec, modes=(mode,), up_layout=self.facts.up_layout).modes[mode]
+        # The matrices the layout merges run undecomposed: plan and kernels follow the
+        # execution spec; the checkpoint (read against self.spec) still holds factors.
+        self.execution_spec = with_merged(self.spec, self.facts.merges)
+        for shape, names in self.facts.merges.items():
+            layers = ",".join(map(str, self.spec.layers_of_shape(shape)))
+            log.info("layers %s run %s merged (D·U)", layers, ", ".join(sorted(names)))
+        plan = build_plan(self.execution_spec, modes=(mode,), up_layout=self.facts.up_layout)
+        self.plan = plan.modes[mode]
         self.blocks, self.scheduler = self._scheduler()
         config = RunnerConfig(
             spec=self.spec,
             plan=self.plan,
-            generated=str(generated_folder(self.spec, Path(options.generated_root))),
+            generated=str(generated_folder(self.execution_spec, Path(options.generated_root))),
             checkpoint=str(checkpoint),
             num_blocks=self.blocks.num_blocks,
             options=options,
@@ -172,7 +180,7 @@ class LLM:
 
     def _blocks_for_budget(self, kv: str, budget: int) -> int:
         rt = self.spec.runtime
-        plans = [self.plan.layer_plan(r) for r in self.spec.decomposition.layers]
+        plans = list(self.plan.per_layer())
         kinds = [lp.cache_kind(kv) for lp in plans]
         per_block = bytes_per_block(plans, kinds, rt.block_size, DTYPE_BYTES[rt.dtype])
         wanted = rt.max_batch_size * -(-rt.max_seq_len // rt.block_size)

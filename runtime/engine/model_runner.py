@@ -64,7 +64,7 @@ class ModelRunner:
         self.up_layout = mode_plan.up_layout  # replicated wherever nothing is split
         self.model = self._model(mode_plan)
         return_freed_heap()  # the checkpoint's slices and the eager layout's copies
-        self.layer_plans = [mode_plan.layer_plan(r) for r in self.spec.decomposition.layers]
+        self.layer_plans = list(mode_plan.per_layer())
         self.kinds = [lp.cache_kind(self.facts.kv_cache) for lp in self.layer_plans]
         rt, m = self.spec.runtime, self.spec.model
         self.block_size = rt.block_size

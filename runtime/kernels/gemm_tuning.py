@@ -215,7 +215,11 @@ def tune_cpu_gemm(
     cache: TuningCache | None = None,
     packing: bool = True,
     rows: tuple[int, ...] = DECODE_ROWS,
-    reps: int = 2,
+    # The median of 3 passes, not 2 (their mean): with 2, one slow pass (the other rank
+    # timing its shapes on the same memory bus) chose forms that made two engines of
+    # the same plan decode 118.5 and 151.2 tok/s (cpu-demo at param_count 40 %, tp 2,
+    # batch 16, one bench run, 2026-12-06).
+    reps: int = 3,
     progress: Callable[[int, int], None] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[Timings, TuningReport]:

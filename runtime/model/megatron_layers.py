@@ -4,12 +4,9 @@ the decomposed model (``BaseLayer``) and undecomposed TP over the products D·U
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.huge_pages import on_huge_pages
 from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer
 
 
@@ -46,32 +43,11 @@ class BaseLayer(DecoderLayer):
 class DenseLayer(DecoderLayer):
     """Undecomposed Megatron TP over the products D·U: 2 all-reduces of h per block."""
 
-    # Column projections that read the same input, multiplied as one GEMM once
-    # ``fuse_columns`` has concatenated their weights (the eager backend does: at 16 rows
-    # it saved 5% of the GEMM time of the 135M model here, and 20% at one row).
-    FUSED: ClassVar[dict[tuple[str, ...], str]] = {
-        ("q", "k", "v"): "qkv",
-        ("gate", "up"): "gate_up",
-    }
-
     def fuse_columns(self) -> None:
-        for names, fused in self.FUSED.items():
-            if all(self.w(f"{n}.weight") is not None for n in names):
-                parts = [self.w(f"{n}.weight") for n in names]
-                joined = on_huge_pages(torch.cat([p.t() for p in parts])).t()  # [out, in]
-                for n in names:
-                    delattr(self, f"{n}__weight")
-                self.register_buffer(f"{fused}__weight", joined, persistent=False)
-                self.names = (self.names - {f"{n}.weight" for n in names}) | {f"{fused}.weight"}
-                self.widths = {**getattr(self, "widths", {}), fused: [p.shape[1] for p in parts]}
+        self.fuse_dense_groups()
 
     def columns(self, names: tuple[str, ...], x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-        fused = self.FUSED.get(names)
-        if fused is not None and self.w(f"{fused}.weight") is not None:
-            y = self.gemm(x, self.w(f"{fused}.weight"), batch.n_valid)
-            outs = y.split(self.widths[fused], dim=1)
-        else:
-            outs = [self.gemm(x, self.w(f"{n}.weight"), batch.n_valid) for n in names]
+        outs = self.dense_columns(names, x, batch)
         return [self.add_bias(y, n) for y, n in zip(outs, names, strict=True)]
 
     def row(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -14,7 +14,7 @@ from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.huge_pages import on_huge_pages
 from runtime.model.execution import Batch, Execution
-from runtime.model.layer_modes import LAYER_CLASSES
+from runtime.model.layer_modes import layer_class
 from runtime.model.layers import LayerSetup
 from runtime.model.rope import inv_freq
 from runtime.model.weights import ModelWeights
@@ -44,10 +44,8 @@ class TPModel(nn.Module):
         self.register_buffer("lm_head", weights.lm_head, persistent=False)
         self.positions_table = weights.positions
         self.final_norm = weights.final_norm
-        layer_class = LAYER_CLASSES[mode_plan.mode]
         layers = []
-        for index, ranks in enumerate(spec.decomposition.layers):
-            lp = mode_plan.layer_plan(ranks)
+        for index, lp in enumerate(mode_plan.per_layer()):
             setup = LayerSetup(
                 model=m,
                 plan=lp,
@@ -57,7 +55,7 @@ class TPModel(nn.Module):
                 inv_freq=freqs,
                 latent_cache=lp.cache_kind(kv_cache) == "latent",
             )
-            layers.append(layer_class(setup, index, weights.layers[index]))
+            layers.append(layer_class(lp)(setup, index, weights.layers[index]))
         self.layers = nn.ModuleList(layers)
         # Decided once: whether ``forward`` carries each layer's last product unreduced.
         self.fuses_residual = bool(layers) and all(layer.fuses_residual() for layer in layers)

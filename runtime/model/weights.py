@@ -86,8 +86,9 @@ def load_rank_weights(
     norm_parts = ("weight", "bias") if m.norm.kind == "layer" else ("weight",)
     final_norm = {p: reader.read(f"{names.final_norm}.{p}") for p in norm_parts}
     layers = []
-    for index, ranks in enumerate(spec.decomposition.layers):
-        lp = mode_plan.layer_plan(ranks)
+    for index, (ranks, lp) in enumerate(
+        zip(spec.decomposition.layers, mode_plan.per_layer(), strict=True)
+    ):
         source = CheckpointSource(reader, names, index, ranks)
         if lp.cache_kind(kv_cache) == "latent" and copies_usable(m.head_dim, m.qk_norm):
             source = CopyBasisSource(source, lp, m.head_dim, m.positions.rope_style)

@@ -1,0 +1,128 @@
+"""The optimized layout: for each layer shape, which matrices run merged (D·U once at
+load, a Megatron dense shard) and which keep the latent dataflow — the combination the
+cost model (``tune.cost_model``) predicts fastest for one decode workload on one device.
+
+Every subset of a shape's decomposed matrices is a candidate (at most 2⁷ = 128: each is
+one layer plan, arithmetic only); the block's collectives follow from the subset (a
+column group whose members are all merged has no latent all-gather; a merged o or down
+all-reduces its output, Megatron's one all-reduce of h). Ties go to fewer weight bytes
+per rank, then to fewer merged matrices. A latent KV cache needs k and v latent:
+``keep_latent_kv`` keeps them so where the user asked for that cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+from dsl.dataflow import build_plan, layer_plan_for
+from dsl.layout import Merges, merged_ranks
+from dsl.plan import UP_REPLICATED, LayerPlan, ModePlan
+from dsl.spec import LayerRanks, Spec
+from tune.cost_model import Workload, layer_seconds
+from tune.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class MatrixChoice:
+    """One matrix of a shape: its choice and the predicted layer time either way (the
+    shape's other matrices as chosen)."""
+
+    name: str
+    merged: bool
+    latent_s: float
+    merged_s: float
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    shape: LayerRanks  # the checkpoint's ranks
+    layers: tuple[int, ...]
+    merged: frozenset[str]
+    seconds: float  # predicted layer time, as chosen
+    paper_s: float  # every decomposed matrix latent (the paper's dataflow)
+    dense_s: float  # the dense model's layer under Megatron TP
+    weight_elements: int  # per rank, as chosen
+    matrices: tuple[MatrixChoice, ...]
+
+
+def _weight_elements(lp: LayerPlan) -> int:
+    n = sum(c.in_features * c.width for c in lp.concats)
+    return n + sum(r * c for r, c in (f.local_shape(0) for f in lp.factors))
+
+
+class _ShapeCosts:
+    """Predicted times of one shape's candidates, each built and timed once."""
+
+    def __init__(self, spec: Spec, mp: ModePlan, shape: LayerRanks, dev, work, up_layout):
+        self.spec, self.mp, self.shape = spec, mp, shape
+        self.dev, self.work, self.up_layout = dev, work, up_layout
+        self.cache: dict[frozenset[str], tuple[float, int]] = {}
+
+    def cost(self, merged: frozenset[str]) -> tuple[float, int]:
+        if merged not in self.cache:
+            ranks = merged_ranks(self.shape, merged)
+            lp = layer_plan_for(self.spec.model, ranks, self.mp.tp, "deinfer", self.up_layout)
+            self.cache[merged] = (
+                layer_seconds(lp, self.mp, self.dev, self.work),
+                _weight_elements(lp),
+            )
+        return self.cache[merged]
+
+
+def choose_shape(
+    spec: Spec,
+    mp: ModePlan,
+    shape: LayerRanks,
+    dev: DeviceProfile,
+    work: Workload,
+    keep_latent_kv: bool = False,
+) -> ShapeChoice:
+    """The fastest subset of ``shape``'s decomposed matrices to merge."""
+    costs = _ShapeCosts(spec, mp, shape, dev, work, mp.up_layout)
+    decomposed = [n for n, r in shape.ranks if r is not None]
+    kv = {"k", "v"} if keep_latent_kv and {"k", "v"} <= set(decomposed) else set()
+    free = [n for n in decomposed if n not in kv]
+    candidates = [frozenset(c) for k in range(len(free) + 1) for c in combinations(free, k)]
+    best = min(candidates, key=lambda c: (*costs.cost(c), len(c)))
+    seconds, elements = costs.cost(best)
+    dense = layer_plan_for(spec.model, shape, mp.tp, "dense")
+    matrices = tuple(
+        MatrixChoice(
+            name=n,
+            merged=n in best,
+            latent_s=costs.cost(best - {n})[0],
+            merged_s=costs.cost(best | {n})[0] if n not in kv else float("nan"),
+        )
+        for n in decomposed
+    )
+    return ShapeChoice(
+        shape=shape,
+        layers=spec.layers_of_shape(shape),
+        merged=best,
+        seconds=seconds,
+        paper_s=costs.cost(frozenset())[0],
+        dense_s=layer_seconds(dense, mp, dev, work),
+        weight_elements=elements,
+        matrices=matrices,
+    )
+
+
+def choose_layout(
+    spec: Spec,
+    dev: DeviceProfile,
+    work: Workload,
+    tp: int | None = None,
+    up_layout: str = UP_REPLICATED,
+    keep_latent_kv: bool = False,
+) -> tuple[ShapeChoice, ...]:
+    """Each layer shape's choice for ``spec`` at ``tp`` (default: the spec's)."""
+    mp = build_plan(spec, tp, modes=("deinfer",), up_layout=up_layout).modes["deinfer"]
+    return tuple(
+        choose_shape(spec, mp, shape, dev, work, keep_latent_kv) for shape in spec.layer_shapes()
+    )
+
+
+def merges_of(choices: tuple[ShapeChoice, ...]) -> Merges:
+    """The layout ``dsl.layout.with_merged`` takes: shape → merged matrices."""
+    return {c.shape: c.merged for c in choices if c.merged}
