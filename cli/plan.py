@@ -11,7 +11,7 @@ from typing import Any
 
 from dsl import MODES, Plan, build_plan, load_spec, with_tp
 from dsl.layout import LAYOUTS, OPTIMIZED, with_merged
-from dsl.report import plan_json, plan_table, shards_table
+from dsl.report import layer_ranges, plan_json, plan_table, shards_table
 from runtime.dist.emulated_link import LinkSpec
 from runtime.engine.config import layout_profile
 from tune.cost_model import Workload, predict_block
@@ -116,7 +116,7 @@ def _layout_table(choices, steps: dict[str, float], device: str, work: Workload)
             f"{m.name}:{'M' if m.merged else 'L'} {m.latent_s * 1e3:.3g}/{m.merged_s * 1e3:.3g}"
             for m in c.matrices
         )
-        lines.append(f"  layers {_span(c.layers)}: {cells} ms")
+        lines.append(f"  layers {layer_ranges(c.layers)}: {cells} ms")
     if len(choices) > 8:
         lines.append(f"  ... {len(choices) - 8} more layer shapes (--json lists them all)")
     dense = steps.get("dense")
@@ -126,9 +126,3 @@ def _layout_table(choices, steps: dict[str, float], device: str, work: Workload)
         parts.append(f"{name} {s * 1e3:.4g} ms{ratio}")
     lines.append("predicted block step: " + ", ".join(parts))
     return "\n".join(lines)
-
-
-def _span(layers: tuple[int, ...]) -> str:
-    if len(layers) > 1 and layers == tuple(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}"
-    return ",".join(map(str, layers))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dsl import load_spec
 from dsl.errors import UserError
+from dsl.layout import LAYOUTS, OPTIMIZED
 from runtime.kernels.gemm_tuning import DEFAULT_BUDGET
 from tune.space import TUNABLE_FAMILIES, search_space, shared_memory_limit
 from tune.store import CONFIG_ROOT, normalise_device_name
@@ -43,8 +44,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="with --checkpoint: per rank")
     p.add_argument(
         "--layout",
-        choices=("optimized", "paper"),
-        default="optimized",
+        choices=LAYOUTS,
+        default=OPTIMIZED,
         help="with --checkpoint: deinfer's matrix layout the start will run (default optimized)",
     )
     p.add_argument(

@@ -45,13 +45,3 @@ def with_merged(spec: Spec, merges: Merges) -> Spec:
         merged_ranks(ranks, frozenset(merges.get(ranks, ()))) for ranks in spec.decomposition.layers
     )
     return replace(spec, decomposition=replace(spec.decomposition, layers=layers))
-
-
-def merged_names(spec: Spec, execution: Spec) -> tuple[frozenset[str], ...]:
-    """Per layer: the matrices decomposed in ``spec`` that run merged in ``execution``."""
-    return tuple(
-        frozenset(n for n, r in ranks.ranks if r is not None and run.rank(n) is None)
-        for ranks, run in zip(
-            spec.decomposition.layers, execution.decomposition.layers, strict=True
-        )
-    )

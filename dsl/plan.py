@@ -116,6 +116,11 @@ class LayerPlan:
                 total += 2 * rows * cols
         return total
 
+    def weight_elements(self, rank: int = 0) -> int:
+        """Weight elements rank ``rank`` holds for one layer of this plan."""
+        n = sum(c.in_features * c.width for c in self.concats)
+        return n + sum(r * c for r, c in (f.local_shape(rank) for f in self.factors))
+
     def kv_auto_is_latent(self) -> bool:
         return self.cache_kind("auto") == "latent"
 
@@ -176,11 +181,7 @@ class ModePlan:
         )
 
     def weight_elements_per_rank(self, rank: int = 0) -> int:
-        per_layer = 0
-        for lp in self.layer_plans:
-            n = sum(c.in_features * c.width for c in lp.concats)
-            n += sum(r * c for r, c in (f.local_shape(rank) for f in lp.factors))
-            per_layer += n * len(lp.layers)
+        per_layer = sum(lp.weight_elements(rank) * len(lp.layers) for lp in self.layer_plans)
         return per_layer + self.non_layer_weight_elements
 
     def weight_bytes_per_rank(self, rank: int = 0) -> int:

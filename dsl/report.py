@@ -33,7 +33,7 @@ def mode_summary(mp: ModePlan) -> dict[str, Any]:
         "lm_head_gather_elements_per_token": mp.lm_head_gather_elements,
         "collectives": [
             {
-                "layers": _layer_ranges(lp.layers),
+                "layers": layer_ranges(lp.layers),
                 "ops": [
                     {"kind": c.kind, "what": c.what, "elements": c.elements} for c in lp.collectives
                 ],
@@ -43,7 +43,7 @@ def mode_summary(mp: ModePlan) -> dict[str, Any]:
         "shards": shards_json(mp),
         "padding": [
             {
-                "layers": _layer_ranges(lp.layers),
+                "layers": layer_ranges(lp.layers),
                 "concat": c.name,
                 "length": c.length,
                 "padded": c.padded,
@@ -86,7 +86,7 @@ def shards_json(mp: ModePlan) -> list[dict[str, Any]]:
             }
             for c in lp.concats
         ]
-        out.append({"layers": _layer_ranges(lp.layers), "factors": factors, "concats": concats})
+        out.append({"layers": layer_ranges(lp.layers), "factors": factors, "concats": concats})
     return out
 
 
@@ -121,7 +121,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _layer_ranges(layers: tuple[int, ...]) -> str:
+def layer_ranges(layers: tuple[int, ...]) -> str:
     """(0, 1, 2, 5) -> "0-2,5"."""
     parts, start = [], None
     for i, layer in enumerate(layers):

@@ -17,7 +17,7 @@ from itertools import combinations
 
 from dsl.dataflow import build_plan, layer_plan_for
 from dsl.layout import Merges, merged_ranks
-from dsl.plan import UP_REPLICATED, LayerPlan, ModePlan
+from dsl.plan import UP_REPLICATED, ModePlan
 from dsl.spec import LayerRanks, Spec
 from tune.cost_model import Workload, layer_seconds
 from tune.profiles import DeviceProfile
@@ -46,11 +46,6 @@ class ShapeChoice:
     matrices: tuple[MatrixChoice, ...]
 
 
-def _weight_elements(lp: LayerPlan) -> int:
-    n = sum(c.in_features * c.width for c in lp.concats)
-    return n + sum(r * c for r, c in (f.local_shape(0) for f in lp.factors))
-
-
 class _ShapeCosts:
     """Predicted times of one shape's candidates, each built and timed once."""
 
@@ -65,7 +60,7 @@ class _ShapeCosts:
             lp = layer_plan_for(self.spec.model, ranks, self.mp.tp, "deinfer", self.up_layout)
             self.cache[merged] = (
                 layer_seconds(lp, self.mp, self.dev, self.work),
-                _weight_elements(lp),
+                lp.weight_elements(),
             )
         return self.cache[merged]
 

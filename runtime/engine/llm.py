@@ -23,6 +23,7 @@ from codegen import generated_folder
 from dsl import Spec, build_plan, load_spec, with_tp
 from dsl.errors import UserError
 from dsl.layout import with_merged
+from dsl.report import layer_ranges
 from dsl.spec import DTYPE_BYTES
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.failures import CallFailed
@@ -76,7 +77,7 @@ class LLM:
         # execution spec; the checkpoint (read against self.spec) still holds factors.
         self.execution_spec = with_merged(self.spec, self.facts.merges)
         for shape, names in self.facts.merges.items():
-            layers = ",".join(map(str, self.spec.layers_of_shape(shape)))
+            layers = layer_ranges(self.spec.layers_of_shape(shape))
             log.info("layers %s run %s merged (D·U)", layers, ", ".join(sorted(names)))
         plan = build_plan(self.execution_spec, modes=(mode,), up_layout=self.facts.up_layout)
         self.plan = plan.modes[mode]
