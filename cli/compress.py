@@ -125,8 +125,9 @@ def add_fidelity(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         default="svd,asvd,svd-llm",
-        help="comma list of methods, each optionally with +seq (sequential calibration) "
-        "and +refit (up factors refitted), e.g. svd-llm+seq+refit",
+        help="comma list of methods, each optionally with +seq (sequential calibration), "
+        "+refit (up factors refitted) and +fisher (output channels weighted by their "
+        "Fisher information), e.g. svd-llm+seq+refit+fisher",
     )
     p.add_argument("--cuts", default="0.05,0.1,0.2,0.4", help="comma list of --rule ratios")
     p.add_argument(

@@ -86,6 +86,12 @@ def _add_data_aware_options(p: argparse.ArgumentParser) -> None:
         help="refit each up factor by least squares to the dense outputs on the calibration "
         "tokens (needs --calib)",
     )
+    p.add_argument(
+        "--fisher",
+        action="store_true",
+        help="weight each output channel's error by its Fisher information (one backward "
+        "pass of the dense model over the calibration tokens; needs --calib)",
+    )
 
 
 def run_decompose(args: argparse.Namespace) -> int:
@@ -129,11 +135,12 @@ def decompose_with_options(args: argparse.Namespace, spec, spec_text: str) -> Pa
     progress = not args.quiet
     calibrated = Calibrated(args.model, calibration, progress=progress)
     alpha = getattr(args, "alpha", 0.5)
+    fisher = getattr(args, "fisher", False)
     if getattr(args, "allocate", None):
         from compress.decompose import check_matches, read_hf_config
 
         check_matches(spec, read_hf_config(args.model))
-        allocation = allocate(calibrated, spec, method, alpha, args.rank_multiple)
+        allocation = allocate(calibrated, spec, method, alpha, args.rank_multiple, fisher)
         name = args.allocate.stem
         spec, text = allocated_spec(spec, spec_text, allocation, name, method)
         args.allocate.write_text(text)
@@ -146,7 +153,8 @@ def decompose_with_options(args: argparse.Namespace, spec, spec_text: str) -> Pa
         # the one-shot statistics (the allocation's) and their Cholesky factors are not
         # used again: ~1.6 GB on SmolLM2-135M, which kept the peak at 3.7 GiB
         calibrated.stats = None
-    how = calibrated.factorization(spec, method, alpha, sequential, getattr(args, "refit", False))
+    refit = getattr(args, "refit", False)
+    how = calibrated.factorization(spec, method, alpha, sequential, refit, fisher)
     out = decompose(
         args.model,
         spec,

@@ -162,13 +162,15 @@ def svd_factors(w_math: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
 @dataclass(frozen=True)
 class Factorization:
     """How each matrix becomes D·U: the method, its calibration statistics (None for
-    svd), the up-factor refit, and factors made beforehand (sequential calibration)."""
+    svd), the up-factor refit, factors made beforehand (sequential calibration), and
+    each matrix's output-column weights (``--fisher``; None: columns alike)."""
 
     method: str = "svd"
     stats: dict[tuple[int, str], InputStats] | None = None
     alpha: float = 0.5
     refit: bool = False
     made: Factors | None = None
+    column_scales: dict[tuple[int, str], torch.Tensor] | None = None
 
 
 def _layer_factors(reader, m, names, i: int, ranks, how: Factorization) -> dict:
@@ -194,7 +196,8 @@ def _factors(w_math: torch.Tensor, rank: int, how: Factorization, i: int, matrix
     if how.made is not None:
         return how.made[(i, matrix)]
     inputs = how.stats.get((i, INPUT_OF[matrix])) if how.stats else None
-    return factorize(w_math, rank, how.method, inputs, how.alpha, how.refit)
+    scale = how.column_scales[(i, matrix)] if how.column_scales else None
+    return factorize(w_math, rank, how.method, inputs, how.alpha, how.refit, scale)
 
 
 def decompose(
@@ -241,6 +244,7 @@ def decompose(
             "method": how.method,
             "sequential": how.made is not None,
             "refit": how.refit,
+            "fisher": how.column_scales is not None,
             **(record or {}),
         }
         if how.method == "svd-llm" and how.stats:

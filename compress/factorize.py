@@ -68,11 +68,21 @@ class FullSVD:
 
 
 def full_svd(
-    w_math: torch.Tensor, method: str = "svd", stats: InputStats | None = None, alpha: float = 0.5
+    w_math: torch.Tensor,
+    method: str = "svd",
+    stats: InputStats | None = None,
+    alpha: float = 0.5,
+    column_scale: torch.Tensor | None = None,
 ) -> FullSVD:
+    """``column_scale`` [out] (``compress.fisher``): each output column's error weighted
+    by its square, the SVD of M·diag(c) truncated and c divided back out of U."""
     m, undo = _transformed(w_math, method, stats, alpha)
-    a, s, bt = torch.linalg.svd(m, full_matrices=False)
-    return FullSVD(a, s, bt, undo)
+    if column_scale is None:
+        a, s, bt = torch.linalg.svd(m, full_matrices=False)
+        return FullSVD(a, s, bt, undo)
+    c = column_scale.to(torch.float64)
+    a, s, bt = torch.linalg.svd(m * c[None, :], full_matrices=False)
+    return FullSVD(a, s, bt / c[None, :], undo)
 
 
 def spectrum(
@@ -90,10 +100,12 @@ def factorize(
     stats: InputStats | None = None,
     alpha: float = 0.5,
     refit: bool = False,
+    column_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """D [in, r], U [r, out] (fp32) with D·U ≈ w_math under ``method``; with ``refit``
-    U is then refitted to the statistics' dense outputs (``refit_up``)."""
-    d, u = full_svd(w_math, method, stats, alpha).factors(rank)
+    """D [in, r], U [r, out] (fp32) with D·U ≈ w_math under ``method`` (its output
+    columns weighted by ``column_scale``); with ``refit`` U is then refitted to the
+    statistics' dense outputs (``refit_up``)."""
+    d, u = full_svd(w_math, method, stats, alpha, column_scale).factors(rank)
     if refit:
         if stats is None:
             raise ValueError("refitting needs calibration statistics")

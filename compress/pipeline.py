@@ -52,6 +52,7 @@ class Calibrated:
     record: dict[str, Any] = field(default_factory=dict)
     model: Any = None  # the dense transformers model, once loaded
     sequences: list[list[int]] | None = None  # the calibration token sequences
+    fisher: dict[tuple[int, str], Any] | None = None  # output-channel Fisher, on demand
 
     def stats_for(self, spec: Spec, method: str) -> dict[tuple[int, str], InputStats] | None:
         _check_method(method)
@@ -63,17 +64,25 @@ class Calibrated:
         return self.stats
 
     def factorization(
-        self, spec: Spec, method: str, alpha: float, sequential: bool = False, refit: bool = False
+        self,
+        spec: Spec,
+        method: str,
+        alpha: float,
+        sequential: bool = False,
+        refit: bool = False,
+        fisher: bool = False,
     ) -> Factorization:
         """How ``decompose`` factorises ``spec``'s matrices: from the dense model's
-        statistics, or (``sequential``) layer by layer from the compressed model's."""
+        statistics, or (``sequential``) layer by layer from the compressed model's;
+        with ``fisher`` each output column weighted by its Fisher information."""
+        scales = self.column_scales(spec) if fisher else None
         if not sequential:
             stats = self.stats_for(spec, method)
             if refit:
                 self._require_calibration("--refit")
                 if stats is None:  # plain svd collects none
                     raise UserError("--refit needs --method asvd or svd-llm (or --sequential)")
-            return Factorization(method, stats, alpha, refit)
+            return Factorization(method, stats, alpha, refit, column_scales=scales)
         _check_method(method)
         self._require_calibration("--sequential")
         made = sequential_factors(
@@ -84,8 +93,21 @@ class Calibrated:
             alpha,
             refit,
             self.progress,
+            scales,
         )
-        return Factorization(method, None, alpha, refit, made)
+        return Factorization(method, None, alpha, refit, made, scales)
+
+    def column_scales(self, spec: Spec) -> dict[tuple[int, str], Any]:
+        """``--fisher``: each projection's output-column weights (``compress.fisher``),
+        from one backward pass over the calibration sequences (measured once)."""
+        from compress.fisher import column_scale, output_fisher
+
+        self._require_calibration("--fisher")
+        if self.fisher is None:
+            self.fisher = output_fisher(
+                self.dense_model(), spec.model, self.calibration_sequences(), self.progress
+            )
+        return {key: column_scale(f) for key, f in self.fisher.items()}
 
     def _require_calibration(self, what: str) -> None:
         if self.calibration is None:
@@ -130,7 +152,12 @@ class Calibrated:
 
 
 def allocate(
-    calibrated: Calibrated, spec: Spec, method: str, alpha: float, multiple: int
+    calibrated: Calibrated,
+    spec: Spec,
+    method: str,
+    alpha: float,
+    multiple: int,
+    fisher: bool = False,
 ) -> Allocation:
     """Ranks for ``spec``'s decomposed matrices at its own parameter count.
 
@@ -142,6 +169,8 @@ def allocate(
     uniform ranks, and 0.69 / 0.52 when weighting by relative / absolute energy alone."""
     import torch
 
+    # the Fisher pass first: its activations are freed before the statistics are held
+    scales = calibrated.column_scales(spec) if fisher else {}
     stats = calibrated.stats_for(spec, method)
     model = calibrated.dense_model()
     sequences = torch.tensor(calibrated.calibration_sequences()[:SENSITIVITY_SEQUENCES])
@@ -161,7 +190,7 @@ def allocate(
             module = model.get_submodule(names.layer(i, m))
             weight = module.weight.data
             inputs = stats.get((i, INPUT_OF[m])) if stats else None
-            svd = full_svd(weight.t(), method, inputs, alpha)
+            svd = full_svd(weight.t(), method, inputs, alpha, scales.get((i, m)))
             d, u = svd.factors(r)
             module.weight.data = (d @ u).t().to(weight.dtype).contiguous()
             try:

@@ -24,26 +24,28 @@ from dsl.folders import write_atomically
 
 @dataclass(frozen=True)
 class Variant:
-    """A method and its training-free corrections, written ``svd-llm+seq+refit``."""
+    """A method and its training-free corrections, written ``svd-llm+seq+refit+fisher``."""
 
     method: str
     sequential: bool = False
     refit: bool = False
+    fisher: bool = False
 
     @staticmethod
     def parse(text: str) -> Variant:
         method, *flags = text.split("+")
-        unknown = set(flags) - {"seq", "refit"}
+        unknown = set(flags) - {"seq", "refit", "fisher"}
         if method not in METHODS or unknown or len(set(flags)) != len(flags):
             raise UserError(
                 f"--methods {text}: expected a method ({', '.join(METHODS)}) with optional "
-                "+seq and +refit"
+                "+seq, +refit and +fisher"
             )
-        return Variant(method, "seq" in flags, "refit" in flags)
+        return Variant(method, "seq" in flags, "refit" in flags, "fisher" in flags)
 
     @property
     def label(self) -> str:
-        return self.method + "+seq" * self.sequential + "+refit" * self.refit
+        flags = "+seq" * self.sequential + "+refit" * self.refit + "+fisher" * self.fisher
+        return self.method + flags
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def _one(
     spec_path.write_text(planned.spec_text)
     start = time.perf_counter()
     how = calibrated.factorization(
-        spec, variant.method, cfg.alpha, variant.sequential, variant.refit
+        spec, variant.method, cfg.alpha, variant.sequential, variant.refit, variant.fisher
     )
     checkpoint = decompose(
         cfg.model,
@@ -200,7 +202,8 @@ def fidelity_table(cfg: FidelityConfig, ecfg: EvalConfig, out_dir: Path) -> list
 def _variants(cfg: FidelityConfig, hf: dict, calibrated: Calibrated):
     """Every row, in table order: at each cut every variant with uniform ranks, then (at
     ``allocate_cuts``) with allocated ones; each allocated row is charged its allocation's
-    seconds (one allocation per method serves all its variants)."""
+    seconds (one allocation per method, with or without --fisher, serves all its
+    variants)."""
     from compress.decompose import spec_yaml
 
     variants = [Variant.parse(v) for v in cfg.methods]
@@ -214,17 +217,18 @@ def _variants(cfg: FidelityConfig, hf: dict, calibrated: Calibrated):
             continue
         base_text = spec_yaml(hf, f"fidelity-{tag}", cut, cfg.rule, cfg.rank_multiple, cfg.tp)
         base = parse_spec(base_text, default_name=f"fidelity-{tag}")
-        allocations: dict[str, tuple[Allocation, float]] = {}
+        allocations: dict[tuple[str, bool], tuple[Allocation, float]] = {}
         for variant in variants:
-            if variant.method not in allocations:
+            how = (variant.method, variant.fisher)
+            if how not in allocations:
                 start = time.perf_counter()
                 allocation = allocate(
-                    calibrated, base, variant.method, cfg.alpha, cfg.rank_multiple
+                    calibrated, base, variant.method, cfg.alpha, cfg.rank_multiple, variant.fisher
                 )
-                allocations[variant.method] = allocation, time.perf_counter() - start
+                allocations[how] = allocation, time.perf_counter() - start
             label = f"{variant.label}+allocate"
             name = f"fidelity-{label.replace('+', '-')}-{tag}"
-            allocation, seconds = allocations[variant.method]
+            allocation, seconds = allocations[how]
             spec, text = allocated_spec(base, base_text, allocation, name, variant.method)
             yield _Planned(spec, text, variant, label, cut, seconds)
 

@@ -52,9 +52,11 @@ def sequential_factors(
     alpha: float = 0.5,
     refit: bool = False,
     progress: bool = True,
+    column_scales: dict[tuple[int, str], torch.Tensor] | None = None,
 ) -> Factors:
     """D, U of every decomposed matrix of ``spec``, layer by layer from the compressed
-    stream's inputs. ``model`` (the dense transformers model) is left unchanged."""
+    stream's inputs (output columns weighted by ``column_scales``, ``--fisher``).
+    ``model`` (the dense transformers model) is left unchanged."""
     names = names_for(spec.model)
     prefix = names.layer_prefix.rstrip(".")
     batches = _first_layer_inputs(model, f"{prefix}.0", sequences)
@@ -74,7 +76,8 @@ def sequential_factors(
             for m in todo:
                 module = layer.get_submodule(names.modules[m])
                 w = module.weight.data.t()  # math layout [in, out]
-                d, u = factorize(w, ranks.rank(m), method, stats, alpha, refit)
+                scale = column_scales[(i, m)] if column_scales else None
+                d, u = factorize(w, ranks.rank(m), method, stats, alpha, refit, scale)
                 factors[(i, m)] = (d, u)
                 module.weight.data = (d @ u).t().to(module.weight.dtype).contiguous()
         for batch in batches:

@@ -10,6 +10,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cli.main import main as cli
 from compress.calibration import collect_input_stats, sample_sequences
@@ -159,7 +161,9 @@ def test_sequential_refit_checkpoint_serves_like_transformers(dense, tmp_path, c
 def test_variant_names_parse_or_fail_in_one_line():
     assert Variant.parse("svd-llm+seq+refit") == Variant("svd-llm", True, True)
     assert Variant.parse("asvd+refit").label == "asvd+refit"
-    for bad in ("svd+seq+seq", "svd+fast", "qr"):
+    assert Variant.parse("svd-llm+fisher+seq") == Variant("svd-llm", True, False, True)
+    assert Variant.parse("svd-llm+fisher+seq").label == "svd-llm+seq+fisher"
+    for bad in ("svd+seq+seq", "svd+fast", "qr", "svd+fisher+fisher"):
         with pytest.raises(UserError, match="expected a method"):
             Variant.parse(bad)
 
@@ -211,3 +215,111 @@ def test_fidelity_table_of_methods_and_cuts(dense, tmp_path, capsys):
     assert 0 < result["peak_rss_gib"] < 24
     table = (out / "results.md").read_text()
     assert table.count("\n| svd") == 4 and table.count("| 30% params |") == 4
+
+
+def test_fisher_is_the_summed_squared_gradient_of_each_output(dense, tmp_path):
+    """The oracle reads each projection's output gradient another way: forward hooks
+    that keep the outputs, a loss through input ids, ``retain_grad``."""
+    from compress.fisher import output_fisher
+
+    spec = load_spec(_spec(dense, tmp_path / "spec.yaml", 0.5))
+    model = _model(dense)
+    seqs = [*sample_sequences(model, 3, 8, 16, 0), [5, 9, 2, 7, 1]]  # two lengths
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = output_fisher(model, spec.model, seqs, progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    names = names_for(spec.model)
+    want = {key: torch.zeros_like(f) for key, f in got.items()}
+    for seq in seqs:
+        outputs, handles = {}, []
+        for key in want:
+            module = model.get_submodule(names.layer(*key))
+
+            def keep(mod, args, out, key=key, outputs=outputs):
+                out.retain_grad()
+                outputs[key] = out
+
+            handles.append(module.register_forward_hook(keep))
+        ids = torch.tensor([seq])
+        with torch.enable_grad():
+            model.zero_grad()
+            logits = model(input_ids=ids).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+            loss.backward()
+        for h in handles:
+            h.remove()
+        for key, out in outputs.items():
+            want[key] += out.grad[0].double().square().sum(0)
+    model.zero_grad(set_to_none=True)
+    assert set(got) == {(i, m) for i in range(2) for m in spec.model.matrices}
+    for key, f in got.items():
+        assert f.dtype == torch.float64 and f.shape == (spec.model.matrix_shape(key[1])[1],)
+        assert torch.allclose(f, want[key], rtol=1e-4, atol=1e-12), key
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_in=st.integers(3, 12),
+    n_out=st.integers(3, 12),
+    data=st.data(),
+)
+def test_column_scaled_truncation_is_the_weighted_optimum(n_in, n_out, data):
+    """With column scales c, svd-llm's factors minimise ‖X·(W − D·U)·diag(c)‖: the error
+    equals the dropped singular values² of Sᵀ·W·diag(c) (Eckart–Young), is no larger than
+    the unweighted factors' in that norm, and a constant c changes nothing."""
+    seed = data.draw(st.integers(0, 2**16))
+    rank = data.draw(st.integers(1, min(n_in, n_out)))
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_in, n_out, generator=gen, dtype=torch.float64)
+    stats = InputStats(n_in)
+    stats.add(torch.randn(4 * n_in, n_in, generator=gen, dtype=torch.float64))
+    c = torch.rand(n_out, generator=gen, dtype=torch.float64) * 3 + 0.05
+
+    def weighted_error(d, u) -> float:
+        e = (w - d.double() @ u.double()) * c[None, :]
+        return float(torch.einsum("ij,ik,kj->", e, stats.gram, e))
+
+    d, u = factorize(w, rank, "svd-llm", stats, column_scale=c)
+    s = stats.whitening().factor
+    dropped = torch.linalg.svdvals(s.T @ w * c[None, :])[rank:].square().sum()
+    assert weighted_error(d, u) == pytest.approx(float(dropped), rel=1e-4, abs=1e-6)
+    plain = factorize(w, rank, "svd-llm", stats)
+    assert weighted_error(d, u) <= weighted_error(*plain) * (1 + 1e-5) + 1e-6
+    same = factorize(w, rank, "svd-llm", stats, column_scale=torch.full((n_out,), 2.5))
+    assert torch.allclose(same[0] @ same[1], plain[0] @ plain[1], rtol=1e-4, atol=1e-5)
+
+
+def test_fisher_checkpoint_serves_like_transformers(dense, tmp_path, capsys):
+    """--fisher through the CLI with every other correction: deterministic bytes, the
+    record says so, the engine's greedy tokens are transformers' on the same products."""
+    spec_path = _spec(dense, tmp_path / "spec.yaml", 0.3, rule="param_count")
+    args = ["decompose", "--model", str(dense), "--spec", str(spec_path), "--quiet"]
+    args += ["--method", "svd-llm", "--calib-len", "12", "--fisher"]
+    _one_line_error(capsys, [*args, "--out", str(tmp_path / "x")], "--fisher needs calibration")
+    args += ["--calib", "self:4", "--sequential", "--refit"]
+    for out in ("ck", "again"):
+        spec_out = tmp_path / f"{out}.yaml"
+        assert cli([*args, "--out", str(tmp_path / out), "--allocate", str(spec_out)]) == 0
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "again").iterdir())
+    for name in names:
+        if name != "config.json":  # holds the written spec's name
+            assert (tmp_path / "ck" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    record = json.loads((tmp_path / "ck" / "config.json").read_text())["deinfer"]
+    assert record["fisher"] and record["sequential"] and record["refit"]
+    # uniform ranks with and without: same shapes, other factors
+    assert cli([*args, "--out", str(tmp_path / "weighted")]) == 0
+    assert cli([*[a for a in args if a != "--fisher"], "--out", str(tmp_path / "plain")]) == 0
+    pairs = zip(_tensors(tmp_path / "weighted"), _tensors(tmp_path / "plain"), strict=True)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    _greedy_equals_transformers(tmp_path / "ck.yaml", tmp_path / "ck", 2, "deinfer")
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = []
+    for f in sorted(folder.glob("*.safetensors")):
+        out += [t for _, t in sorted(load_file(f).items())]
+    return out
