@@ -7,7 +7,8 @@ are what it gets while the others run too), each with ``threads`` intra-op threa
 - matmul: FLOP/s of a GEMM of 512 rows, where the arithmetic, not memory, bounds it;
 - per-operator overhead: a tiny elementwise op;
 - link: bytes/s of one large all-gather (per rank received) and the per-step latency of
-  a tiny all-reduce, over loopback or, with ``link``, over an emulated link.
+  a tiny all-reduce entered right after a product (so it holds the wait for the slower
+  rank, as in a step), over loopback or, with ``link``, over an emulated link.
 The slowest rank's figure is kept.
 """
 
@@ -95,11 +96,35 @@ def _probe_rank(rank: int, world: int, threads: int, matrices: int) -> dict[str,
 
         gather_s = _median_seconds(gather, 3)
         barrier_s = _median_seconds(dist.barrier, 5)
-        tiny = torch.ones(1)
-        reduce_s = _median_seconds(lambda: dist.all_reduce(tiny), 20)
+        reduce_s = _loaded_reduce_seconds(rank, reps=24)
         result["link_bytes_per_s"] = (world - 1) * local.numel() * 4 / (gather_s - barrier_s)
         result["link_latency_s"] = reduce_s / (2 * (world - 1))
     return result
+
+
+def _loaded_reduce_seconds(rank: int, reps: int) -> float:
+    """Median time of a tiny all-reduce entered right after one decode-shaped product,
+    as a step's collectives are: it includes the wait for the rank that finished its
+    product last, which an all-reduce between idle ranks never sees. On a 2-vCPU Xeon a
+    cpu-demo decode step at tp 2 (batch 16, the paper's rule) took 69.6 ms with its
+    attention merged against 73.2 ms with k and v latent: their latent all-gather cost
+    ~0.45 ms per block, where the idle-measured latency predicted ~0.15."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.kernels.eager import matmul
+
+    weight = torch.randn(WIDTH, WIDTH).t()  # 16 MB: one projection's stream
+    rows = torch.randn(16, WIDTH)
+    tiny = torch.ones(1)
+    times = []
+    dist.barrier()
+    for _ in range(reps):
+        matmul(rows, weight)
+        start = time.perf_counter()
+        dist.all_reduce(tiny)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def slowest_rank(ranks: list[dict[str, float]]) -> dict[str, float]:
