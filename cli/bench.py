@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsl.ranks import RULES
+
 if TYPE_CHECKING:
     from bench.config import BenchConfig
 
@@ -91,7 +93,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--rule",
-        choices=("smaller_dim_fraction", "param_count"),
+        choices=RULES,
         default=None,
         help="how --ratios become ranks: the paper's rule (default) or a parameter cut",
     )

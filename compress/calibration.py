@@ -140,6 +140,15 @@ def calibration_sequences(
 
 
 @torch.inference_mode()
+def by_length(sequences: list[list[int]]) -> list[list[list[int]]]:
+    """The sequences in groups of one length (each group runs as one batch), in the
+    order each length first appears."""
+    groups: dict[int, list[list[int]]] = {}
+    for seq in sequences:
+        groups.setdefault(len(seq), []).append(seq)
+    return list(groups.values())
+
+
 def collect_input_stats(
     model, spec_model, sequences: list[list[int]], gram: bool = True, progress: bool = True
 ) -> dict[tuple[int, str], InputStats]:

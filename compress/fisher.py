@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from compress.calibration import by_length
 from dsl.spec import ModelConfig
 from runtime.model.checkpoint import names_for
 
@@ -80,11 +81,8 @@ def output_fisher(
 
 def _backward(model, embeddings, batch: list[list[int]]) -> None:
     """One batch's loss backwards (sequences of one length run together)."""
-    by_length: dict[int, list[list[int]]] = {}
-    for seq in batch:
-        by_length.setdefault(len(seq), []).append(seq)
     with torch.enable_grad():
-        for group in by_length.values():
+        for group in by_length(batch):
             ids = torch.tensor(group)
             hidden = embeddings(ids).detach().requires_grad_(True)
             logits = model(inputs_embeds=hidden, use_cache=False).logits.float()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from compress.calibration import INPUT_OF
+from compress.calibration import INPUT_OF, by_length
 from compress.factorize import InputStats, factorize
 from dsl import Spec
 from runtime.model.checkpoint import names_for
@@ -101,12 +101,9 @@ def _output(result):
 def _first_layer_inputs(model, layer_name: str, sequences: list[list[int]]) -> list[_Batch]:
     """One batch per sequence length: the hidden states entering the first decoder layer
     and the keyword arguments the model gives every layer."""
-    by_length: dict[int, list[list[int]]] = {}
-    for seq in sequences:
-        by_length.setdefault(len(seq), []).append(seq)
     layer = model.get_submodule(layer_name)
     batches = []
-    for group in by_length.values():
+    for group in by_length(sequences):
         seen: dict = {}
 
         def capture(module, args, kwargs, seen=seen):

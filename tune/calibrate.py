@@ -96,13 +96,13 @@ def _probe_rank(rank: int, world: int, threads: int, matrices: int) -> dict[str,
 
         gather_s = _median_seconds(gather, 3)
         barrier_s = _median_seconds(dist.barrier, 5)
-        reduce_s = _loaded_reduce_seconds(rank, reps=24)
+        reduce_s = _loaded_reduce_seconds(reps=24)
         result["link_bytes_per_s"] = (world - 1) * local.numel() * 4 / (gather_s - barrier_s)
         result["link_latency_s"] = reduce_s / (2 * (world - 1))
     return result
 
 
-def _loaded_reduce_seconds(rank: int, reps: int) -> float:
+def _loaded_reduce_seconds(reps: int) -> float:
     """Median time of a tiny all-reduce entered right after one decode-shaped product,
     as a step's collectives are: it includes the wait for the rank that finished its
     product last, which an all-reduce between idle ranks never sees. On a 2-vCPU Xeon a
@@ -114,7 +114,7 @@ def _loaded_reduce_seconds(rank: int, reps: int) -> float:
 
     from runtime.kernels.eager import matmul
 
-    weight = torch.randn(WIDTH, WIDTH).t()  # 16 MB: one projection's stream
+    weight = torch.randn(WIDTH, WIDTH).t()  # 16 MB: one projection of cpu-demo
     rows = torch.randn(16, WIDTH)
     tiny = torch.ones(1)
     times = []
