@@ -31,6 +31,9 @@ class BenchConfig:
     batches: tuple[int, ...] = ()
     max_seq_lens: tuple[int, ...] = ()  # runtime.max_seq_len variants; (): prompt + output
     hf: bool = False  # add transformers generate on the same weights (the baseline)
+    # add llama.cpp (llama-cpp-python, where installed) on the same weights as an fp32
+    # GGUF, greedy, at the thread count of each tp 1 row (``bench.peer``)
+    peer: bool = False
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     # Further tp 1 rows with these intra-op thread counts: the same cores used by one
     # process's threads instead of by ranks, the machine's own scaling that tensor
@@ -145,6 +148,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "output_len": 64,
         "lockstep": True,
         "hf": True,
+        "serving": False,
+        "breakdown": False,
+    },
+    # Batch-1 decode against llama.cpp, what a user would run a small model on a CPU with:
+    # the 135M shape at full rank, dense and deinfer mode at tp 1 with two threads and
+    # one, llama.cpp (llama-cpp-python, which must be installed) on the same weights as
+    # an fp32 GGUF at the same thread counts, transformers beside them.
+    "cpu-peer": {
+        "spec": "specs/cpu-135m.yaml",
+        "modes": ("dense", "deinfer"),
+        "tps": (1,),
+        "batches": (1, 16),
+        "tp1_threads": (1,),
+        "prompt_len": 32,
+        "output_len": 64,
+        "reps": 5,
+        "lockstep": True,
+        "hf": True,
+        "peer": True,
         "serving": False,
         "breakdown": False,
     },

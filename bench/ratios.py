@@ -51,6 +51,10 @@ _TRANSFORMERS = {
 }
 
 
+# The fields of the llama.cpp row of a row's ratio, batch and thread count (``peer``).
+_PEER = _TRANSFORMERS | {"mode": "llama.cpp"}
+
+
 def _paired(rates: list[float], reference: list[float]) -> dict[str, float]:
     """The ratio within each repetition (rows of one repetition run minutes apart at
     most, so the machine's drift between repetitions cancels): min/median/max."""
@@ -92,13 +96,18 @@ def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -
         paper = rates.get(_key(var, layout="paper"))
         var["decode_speedup_vs_paper_layout"] = median / statistics.median(paper) if paper else None
     var["decode_speedup_vs_hf"] = median / statistics.median(hf) if hf else None
+    # llama.cpp at the row's thread count, where the bench ran it (tp 1 rows)
+    peer = rates.get(_key(var, **(_PEER | {"threads": var.get("threads")})))
+    if peer and var["tp"] == 1:
+        var["decode_speedup_vs_peer"] = median / statistics.median(peer)
+        var["decode_speedup_vs_peer_per_rep"] = _paired(_rates(var), peer)
 
 
 def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     """Scaling: the row's decode rate over the same configuration's at tp 1 with the
     bench's thread count (tp 1 rows with their own thread count, ``tp1_threads``, are
     the same cores used by threads instead of ranks)."""
-    if var["mode"] == "hf" or (var["tp"] == 1 and var.get("threads") is None):
+    if var["mode"] in ("hf", "llama.cpp") or (var["tp"] == 1 and var.get("threads") is None):
         return
     one = rates.get(_key(var, tp=1, threads=None, alone=False))
     if not one:

@@ -61,6 +61,15 @@ def _vs_dense_kv(v: dict[str, Any]) -> str:
     return f"{_x(v['step_vs_dense_kv'])} ({paired['min']:.2f}–{paired['max']:.2f})"
 
 
+def _vs_peer(v: dict[str, Any]) -> str:
+    """A tp 1 row's decode rate over llama.cpp's at its thread count (and the range
+    within one repetition)."""
+    if "decode_speedup_vs_peer" not in v:
+        return ""
+    paired = v["decode_speedup_vs_peer_per_rep"]
+    return f"{_x(v['decode_speedup_vs_peer'])} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
 def _vs_tp1(v: dict[str, Any]) -> str:
     """A row's decode rate over the same configuration's at tp 1 (and the range within
     one repetition)."""
@@ -78,9 +87,10 @@ def _label(v: dict[str, Any]) -> str:
     return f"{v['label']} (up={used})"
 
 
-def _header(latent: bool, scaling: bool) -> list[str]:
+def _header(latent: bool, scaling: bool, peer: bool = False) -> list[str]:
     """The table's header rows; a latent-vs-dense column only where a latent row has one,
-    a vs-tp-1 column only where a row is set against tp 1."""
+    a vs-tp-1 column only where a row is set against tp 1, a vs-llama.cpp column only
+    where the bench ran llama.cpp."""
     columns = [
         "config",
         "threads/rank",
@@ -88,6 +98,7 @@ def _header(latent: bool, scaling: bool) -> list[str]:
         "vs base",
         "vs dense",
         "vs hf",
+        *(["vs llama.cpp"] if peer else []),
         *(["vs tp 1"] if scaling else []),
         *(["step vs kv=dense"] if latent else []),
         "of floor",
@@ -136,7 +147,7 @@ def _preamble(results: dict[str, Any]) -> str:
     )
 
 
-def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
+def _legend(latent: bool, scaling: bool, alone: bool = False, peer: bool = False) -> str:
     return (
         "*of floor*: decode tok/s over batch / (tp · weight bytes streamed per rank and step /"
         " measured memory bandwidth). *vs hf*: transformers `generate` on the same weights "
@@ -146,6 +157,13 @@ def _legend(latent: bool, scaling: bool, alone: bool = False) -> str:
         "repetition). *layout=paper*: deinfer with every decomposed matrix latent, as in the "
         "paper; without it, the optimized layout (each matrix merged or latent as the cost "
         "model predicts faster). "
+        + (
+            "*vs llama.cpp*: the ratio of the medians to llama.cpp (llama-cpp-python, greedy, "
+            "its default f16 KV cache) on the same weights as an fp32 GGUF, at the row's "
+            "thread count (in brackets: within one repetition). "
+            if peer
+            else ""
+        )
         + (
             "*step vs kv=dense*: a latent-KV row's decode step time over the same engine's "
             "with a dense KV cache (in brackets: within one repetition). "
@@ -195,7 +213,8 @@ def _startup(variants: list[dict[str, Any]]) -> str:
 def markdown(results: dict[str, Any]) -> str:
     latent = any("step_vs_dense_kv" in v for v in results["variants"])
     scaling = any("decode_speedup_vs_tp1" in v for v in results["variants"])
-    lines = [_preamble(results), "", *_header(latent, scaling)]
+    peer = any("decode_speedup_vs_peer" in v for v in results["variants"])
+    lines = [_preamble(results), "", *_header(latent, scaling, peer)]
     for v in results["variants"]:
         d = v["decode_tokens_per_s"]
         floor = v.get("fraction_of_floor")
@@ -203,6 +222,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_label(v)} | {v.get('threads_per_rank', '')} | "
             f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} | "
             f"{_vs_base(v)} | {_vs_dense(v)} | {_x(v.get('decode_speedup_vs_hf'))} | "
+            + (f"{_vs_peer(v)} | " if peer else "")
             + (f"{_vs_tp1(v)} | " if scaling else "")
             + (f"{_vs_dense_kv(v)} | " if latent else "")
             + f"{'' if floor is None else f'{floor:.0%}'} | "
@@ -210,7 +230,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_breakdown_cells(v)} |"
         )
     alone = any(v.get("alone") for v in results["variants"])
-    lines += ["", _legend(latent, scaling, alone)]
+    lines += ["", _legend(latent, scaling, alone, peer)]
     startup = _startup(results["variants"])
     lines += ["", startup] if startup else []
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from bench import peer
 from bench.baseline import hf_throughput, memory_bandwidth
 from bench.config import PRESETS, BenchConfig, preset
 from bench.measure import (
@@ -43,6 +44,7 @@ from bench.variants import (
     variants_of,
 )
 from dsl import Spec, load_spec
+from dsl.errors import UserError
 from runtime.dist.emulated_link import LinkSpec
 from runtime.engine.config import EngineOptions, default_path, default_threads
 from runtime.engine.llm import LLM
@@ -58,6 +60,8 @@ class _Models:
         self.cfg, self.folder = cfg, folder
         self.base = load_spec(cfg.spec)
         self.checkpoints: dict[float | None, Path] = {}
+        # llama.cpp's model file per ratio and the weight bytes its decode step streams
+        self.gguf: dict[float | None, tuple[Path, int]] = {}
 
     def spec(self, v: Variant) -> Spec:
         spec = variant_spec(self.base, v, self.cfg)
@@ -88,7 +92,7 @@ FAST_LINK = "8000000000bit"  # far above what gloo over TCP carries here
 def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
     """(mode, engine, measured compute ms per block) of one linked engine — Base's where
     it runs — measured behind the fast link: what the planner fits its compute scale on."""
-    linked = [v for v in variants if v.link and v.mode != "hf"]
+    linked = [v for v in variants if v.link and not v.external]
     v = next((v for v in linked if v.mode == "base"), linked[0])
     engine, spec = engines[v.engine], specs[v.engine]
     engine.workers.call("set_comm_stats", "timed")
@@ -99,7 +103,7 @@ def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
 
 def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
     """Reshape ``engine``'s links to ``v``'s; the first time a link is used, measure it."""
-    if v.link is None or v.mode == "hf":
+    if v.link is None or v.external:
         return
     want = LinkSpec.parse(rates[v.link])
     if engine.link != want:
@@ -117,6 +121,8 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         from runtime.tools.hf_reference import load_transformers
 
         return load_transformers(spec, ckpt), spec
+    if v.mode == "llama.cpp":
+        return _start_peer(v, spec, models, cfg), spec
     blocks = max_batch(cfg) * -(-(cfg.prompt_len + cfg.output_len) // spec.runtime.block_size)
     engine_class = RankAloneLLM if v.alone else LLM
     options = EngineOptions(
@@ -143,6 +149,21 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
     return llm, llm.execution_spec
 
 
+def _start_peer(v: Variant, spec: Spec, models: _Models, cfg: BenchConfig) -> peer.LlamaCpp:
+    """llama.cpp on the row's weights (one fp32 GGUF per ratio, written once)."""
+    if not peer.available():
+        raise UserError("bench: the llama.cpp row needs llama-cpp-python (pip install it)")
+    if v.ratio not in models.gguf:
+        from runtime.tools.hf_reference import dense_state
+
+        path = models.folder / f"peer-{len(models.gguf)}.gguf"
+        streamed = peer.write_gguf(spec, dense_state(spec, models.checkpoints[v.ratio]), path)
+        models.gguf[v.ratio] = path, streamed
+    path, streamed = models.gguf[v.ratio]
+    context = cfg.prompt_len + cfg.output_len
+    return peer.LlamaCpp(path, max_batch(cfg), context, _threads(cfg, v), streamed)
+
+
 def _threads(cfg: BenchConfig, v: Variant) -> int:
     """The row's intra-op threads per rank: its own, the bench's, or cores // tp. The hf
     row is one process, which a user would give every core the widest engine row uses
@@ -162,9 +183,12 @@ def _use_threads(v: Variant, engine, cfg: BenchConfig) -> None:
 
 def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
     """One throughput run (and a serving run for engines), at the row's thread count."""
-    if v.mode == "hf":
-        torch.set_num_threads(_threads(cfg, v))
+    if v.external:
         prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
+        if v.mode == "llama.cpp":
+            engine.set_threads(_threads(cfg, v))
+            return {"throughput": engine.throughput(prompts, cfg.output_len)}
+        torch.set_num_threads(_threads(cfg, v))
         return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
     _use_threads(v, engine, cfg)
     out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
@@ -174,8 +198,10 @@ def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]
 
 
 def _streamed_bytes(v: Variant, engine) -> int:
-    if v.mode != "hf":
+    if not v.external:
         return engine.workers.call("streamed_weight_bytes")[0]
+    if v.mode == "llama.cpp":
+        return engine.streamed_weight_bytes
     named = engine.named_parameters(remove_duplicate=False)
     return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
 
@@ -248,7 +274,7 @@ class _Session:
         in lockstep and, if the bench serves, each of those rows' serving run alone."""
         by_batch: dict[int | None, list[Variant]] = {}
         for v in self.variants:
-            if v.mode == "hf":
+            if v.external:
                 self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
                 raw[v].append(_measure(v, self.engines[v.engine], self.cfg, self.vocab))
             else:
@@ -285,7 +311,7 @@ class _Session:
 
     def close(self) -> None:
         for key, engine in self.engines.items():
-            if key[0] != "hf":
+            if key[0] != "hf":  # llama.cpp's rows close their model and context too
                 engine.close()
         self.tmp.cleanup()
 
@@ -327,22 +353,22 @@ def _phases(cfg: BenchConfig) -> list[list[Variant]]:
     variants = variants_of(cfg)
     if not cfg.phase_by_tp:
         return [variants]
-    engines = [v for v in variants if v.mode != "hf"]
+    engines = [v for v in variants if not v.external]
     phases = [[v for v in engines if v.tp == tp] for tp in dict.fromkeys(v.tp for v in engines)]
-    phases[0] += [v for v in variants if v.mode == "hf"]
+    phases[0] += [v for v in variants if v.external]
     return phases
 
 
 def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
     def rank0(method: str) -> Any:
-        """Rank 0's answer to ``method`` (None for transformers rows)."""
-        return None if v.mode == "hf" else engine.workers.call(method)[0]
+        """Rank 0's answer to ``method`` (None for the rows of other programs)."""
+        return None if v.external else engine.workers.call(method)[0]
 
     row = {
         **asdict(v),
         "label": v.label,
         "threads_per_rank": _threads(cfg, v),
-        "path": None if v.mode == "hf" else cfg.path or default_path(),
+        "path": None if v.external else cfg.path or default_path(),
         "throughput": [r["throughput"] for r in runs],
         "serving": [r["serving"] for r in runs if "serving" in r],
         "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
@@ -352,7 +378,7 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
         "up_layout_used": rank0("plan_up_layout"),
         # rank 0's start-up tuning: shapes, classes, timed, from the cache, seconds
-        "tuning": None if v.mode == "hf" else asdict(rank0("tuning_report")),
+        "tuning": None if v.external else asdict(rank0("tuning_report")),
         # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
         "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
         # rank 0's weights kept only in a tuned form's layout (in place of the weight)
@@ -360,7 +386,7 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
         "latent_key_copies": rank0("latent_key_copies"),
     }
-    if v.mode != "hf" and cfg.breakdown and not v.alone:  # a rank alone has no collectives
+    if not v.external and cfg.breakdown and not v.alone:  # a rank alone has no collectives
         engine.workers.call("set_comm_stats", "timed")
         row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
         planned = planned_elements(spec, v.mode, row["up_layout_used"])

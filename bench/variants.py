@@ -15,10 +15,13 @@ from dsl import Spec, build_plan, with_ratio, with_runtime, with_tp
 from dsl.layout import OPTIMIZED
 from dsl.plan import UP_REPLICATED
 
+# The rows that run another program on the same weights: what a user would pick instead.
+EXTERNAL_MODES = ("hf", "llama.cpp")
+
 
 @dataclass(frozen=True)
 class Variant:
-    mode: str  # deinfer | base | dense | hf (transformers generate)
+    mode: str  # deinfer | base | dense | hf (transformers generate) | llama.cpp (``peer``)
     kv_cache: str
     tp: int
     ratio: float | None
@@ -34,8 +37,14 @@ class Variant:
     layout: str = OPTIMIZED  # deinfer's matrices merged as predicted faster, or the paper's
 
     @property
+    def external(self) -> bool:
+        """Whether the row runs another program on the same weights (transformers,
+        llama.cpp) instead of this engine."""
+        return self.mode in EXTERNAL_MODES
+
+    @property
     def label(self) -> str:
-        kv = "" if self.mode == "hf" else f" kv={self.kv_cache}"
+        kv = "" if self.external else f" kv={self.kv_cache}"
         kv += "" if self.up_layout == "auto" else f" up={self.up_layout}"
         kv += "" if self.layout == OPTIMIZED else f" layout={self.layout}"
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
@@ -186,6 +195,14 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     if cfg.rank_alone:  # each loopback tp > 1 engine row, then its rank 0 alone
         alone = [(v, replace(v, alone=True)) if v.tp > 1 and v.link is None else (v,) for v in rows]
         rows = [row for pair in alone for row in pair]
+    ratios = cfg.ratios or (None,)
     if cfg.hf:
-        rows += [Variant("hf", "-", 1, r, b) for r in (cfg.ratios or (None,)) for b in batches]
+        rows += [Variant("hf", "-", 1, r, b) for r in ratios for b in batches]
+    if cfg.peer:  # llama.cpp at each thread count a tp 1 engine row has
+        rows += [
+            Variant("llama.cpp", "-", 1, r, b, threads=threads)
+            for r in ratios
+            for b in batches
+            for threads in (None, *cfg.tp1_threads)
+        ]
     return rows

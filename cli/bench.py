@@ -56,6 +56,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hf", action="store_true", help="add transformers generate on the same weights"
     )
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="add llama.cpp on the same weights (needs llama-cpp-python)",
+    )
     _add_engine_options(p)
     _add_serve_options(p)
     p.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -195,6 +200,7 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "hf": True if args.hf else None,
+        "peer": True if args.peer else None,
         "rank_alone": True if args.rank_alone else None,
         "links": tuple(args.link) if args.link else None,
         "hosts": args.hosts,
