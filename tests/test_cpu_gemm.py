@@ -77,7 +77,7 @@ class _Recording:
 
     def __init__(self, form: Form) -> None:
         self.form, self.kind, self.rows = form, form.kind, []
-        self.reorders = form.reorders
+        self.reorders, self.reads_strided_rows = form.reorders, form.reads_strided_rows
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, packed=None) -> torch.Tensor:
         self.rows.append(a.shape[0])

@@ -59,6 +59,17 @@ def test_the_native_product_equals_the_plain_one(rows, k, n, threads):
         torch.set_num_threads(before)
 
 
+@settings(deadline=None, max_examples=20)
+@given(rows=st.integers(1, 20), k=st.integers(1, 40), n=st.integers(1, 40), skip=st.integers(0, 9))
+def test_a_column_slice_of_a_wider_tensor_is_read_in_place(rows, k, n, skip):
+    """A latent's column slice (rows wider apart than K) gives the product of its copy."""
+    lib = _library()
+    wide = torch.randn(rows, skip + k + 3)
+    a = wide[:, skip : skip + k]
+    b = torch.randn(n, k).t()
+    assert torch.equal(lib.product(a, lib.pack(b), n), lib.product(a.contiguous(), lib.pack(b), n))
+
+
 def test_panels_hold_the_columns_in_order_zero_past_the_last():
     lib = _library()
     w = torch.randn(lib.width + 3, 5)  # [N, K]: one whole panel and three columns

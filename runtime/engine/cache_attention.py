@@ -9,6 +9,8 @@ Every forward writes its new tokens' K and V (or latent) into the cache first.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from runtime.engine.step_io import Piece, SeqInput
@@ -22,7 +24,7 @@ from runtime.model.eager_attention import (
     gather,
 )
 from runtime.model.execution import AttentionFn
-from runtime.model.paged_cache import LayerCache
+from runtime.model.paged_cache import DenseDecodeCache, LayerCache
 
 
 class CacheAttention:
@@ -85,7 +87,11 @@ class CacheAttention:
         z = gather(cache.latent, slots)
         return f.keys(z[:, : f.r_k], ctx.cos, ctx.sin), f.values(z[:, f.r_k :])
 
-    def decode(self, seqs: list[SeqInput]) -> AttentionFn:
+    def decode(
+        self, seqs: list[SeqInput]
+    ) -> tuple[AttentionFn, Callable[[int], DenseDecodeCache | None]]:
+        """The step's attention, and its dense layer caches by index (for the native
+        decode block, ``Batch.dense_cache``)."""
         slots = torch.tensor(
             [self.slot(s.block_table, s.length - 1) for s in seqs],
             dtype=torch.long,
@@ -100,4 +106,17 @@ class CacheAttention:
                 return decode_dense(q, cache, ctx, self.scale)
             return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
 
-        return attention
+        checked: list[bool] = []  # the slots' range, checked on first use
+
+        def dense_cache(index: int) -> DenseDecodeCache | None:
+            cache = self.caches[index]
+            if cache.kind != "dense":
+                return None
+            if not checked:
+                DenseDecodeCache.checked(slots, ctx.slots, cache.k_rows.shape[0])
+                checked.append(True)
+            return DenseDecodeCache(
+                cache.k_rows, cache.v_rows, slots, ctx.slots, ctx.lengths, self.scale
+            )
+
+        return attention, dense_cache

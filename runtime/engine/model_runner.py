@@ -25,7 +25,7 @@ from runtime.engine.sampling import (
 )
 from runtime.engine.static_decode import StaticDecoder, StaticShapes
 from runtime.engine.step_io import Piece, Sampled, SeqInput, prefill_chunks
-from runtime.kernels.cpu_gemm import CpuGemm, choose
+from runtime.kernels.cpu_gemm import CpuGemm, choose, group_by_shape
 from runtime.kernels.gemm_tuning import (
     TuningCache,
     TuningProgress,
@@ -123,8 +123,11 @@ class ModelRunner:
             model.prepare_eager()
             if options.tune_gemm and self.device.type == "cpu":
                 start = time.perf_counter()
+                # the native decode blocks' matrices are panels in every bucket, untimed
+                panels = model.decode_block_matrices() if options.pack_weights else []
+                fixed = {id(b) for b in panels}
                 timings, self.tuning = tune_cpu_gemm(
-                    model.matrices(),
+                    [b for b in model.matrices() if id(b) not in fixed],
                     options.tune_budget,
                     TuningCache(cache_dir()).load() if options.tune_cache else None,
                     options.pack_weights,
@@ -132,10 +135,11 @@ class ModelRunner:
                     group=self.comm.group,
                 )
                 self.tuning.seconds = time.perf_counter() - start
-                self.gemm = choose(timings)
+                self.gemm = choose(timings, panel_shapes=group_by_shape(panels))
                 self.gemm.pack(model.matrices())
                 # a matrix multiplied only in its reordered form is kept in that form alone
                 model.release_matrices(self.gemm.release)
+                model.prepare_decode_blocks()
                 self.execution.use(self.gemm)
         return model
 
@@ -238,7 +242,8 @@ class ModelRunner:
         ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int32, device=dev)
         pos = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int32, device=dev)
         n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
-        batch = self.execution.batch(pos, n, self.attention.decode(seqs), self.inv_freq, True)
+        attention, dense_cache = self.attention.decode(seqs)
+        batch = self.execution.batch(pos, n, attention, self.inv_freq, True, dense_cache)
         return self._sample(seqs, self.model.logits(self.model.forward(ids, pos, batch)))
 
     # --- sampling ----------------------------------------------------------------------
@@ -304,6 +309,10 @@ class ModelRunner:
     def tuning_report(self) -> TuningReport:
         """What start-up's tuning did: shapes, shapes timed, from the cache, seconds."""
         return self.tuning
+
+    def decode_block_layers(self) -> int:
+        """How many layers take their decode steps through the native decode block."""
+        return sum(getattr(layer, "decode_block", None) is not None for layer in self.model.layers)
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""

@@ -76,6 +76,12 @@ class Form:
         return f"blocked{self.block}" if self.kind == "blocked" else self.kind
 
     @property
+    def reads_strided_rows(self) -> bool:
+        """Whether the form takes an ``a`` whose rows are apart by more than K (a column
+        slice of a wider tensor) without a contiguous copy first."""
+        return self.kind == "panel"
+
+    @property
     def reorders(self) -> bool:
         """Whether the form multiplies by a copy of b in its own layout (``reorder``)."""
         return self.kind in ("packed", "panel")
@@ -127,7 +133,8 @@ class ReleasedMatrix:
                 f"a product by a released {list(self.shape)} {self.dtype} matrix takes a "
                 f"[M, {self.shape[0]}] {self.dtype} a, found {list(a.shape)} {a.dtype}"
             )
-        return self.form(a.contiguous(), self, self.copy)  # type: ignore[arg-type]
+        a = a if self.form.reads_strided_rows else a.contiguous()
+        return self.form(a, self, self.copy)  # type: ignore[arg-type]
 
 
 def can_pack(b: torch.Tensor) -> bool:
@@ -230,12 +237,13 @@ class CpuGemm:
         ):
             return default_matmul(a, b)
         form = by_rows[a.shape[0]]
+        a = a if form.reads_strided_rows else a.contiguous()
         if not form.reorders:
-            return form(a.contiguous(), b)
+            return form(a, b)
         packed = self.packed.get(_key(form.kind, b))
         if packed is None:  # a matrix of this shape that was not packed
             return default_matmul(a, b)
-        return form(a.contiguous(), b, packed)
+        return form(a, b, packed)
 
     def packed_bytes(self) -> int:
         """Memory the reordered copies take beside the matrices themselves (a released
@@ -373,7 +381,11 @@ def _sole(per_rows: dict[int, dict[Form, float]], best: dict[int, Form]) -> dict
     return dict.fromkeys(best, form) if close else best
 
 
-def choose(timings: Timings) -> CpuGemm:
+def choose(timings: Timings, panel_shapes: Iterable[ShapeKey] = ()) -> CpuGemm:
     """The fastest form per shape and row bucket (``_fastest``), a reordering form in
-    every bucket where it is nearly the fastest in each (``_sole``)."""
-    return CpuGemm({key: _sole(per_rows, _fastest(per_rows)) for key, per_rows in timings.items()})
+    every bucket where it is nearly the fastest in each (``_sole``); ``panel_shapes``,
+    untimed, take the native panels in every bucket (the native decode block multiplies
+    them so, ``runtime.model.decode_block``)."""
+    forms = {key: _sole(per_rows, _fastest(per_rows)) for key, per_rows in timings.items()}
+    forms |= {key: dict.fromkeys(DECODE_ROWS, Form("panel")) for key in panel_shapes}
+    return CpuGemm(forms)

@@ -68,7 +68,8 @@ def cached_library(source: Path, what: str) -> ctypes.CDLL | None:
     if compiler is None:
         return None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()):
+    headers = b"".join(h.read_bytes() for h in sorted(NATIVE.glob("*.h")))  # what it includes
+    for part in (source.read_bytes(), headers, " ".join(FLAGS).encode(), compiler.encode()):
         key.update(part + b"\0")
     key.update(cpu_identity().encode())
     target = _cache_root() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -38,7 +38,8 @@ class PanelLibrary:
         return out.copy_(padded.view(panels, self.width, k).transpose(1, 2))
 
     def product(self, a: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-        """a [M, K] fp32 · the matrix ``panels`` holds (N = n columns) -> [M, n]."""
+        """a [M, K] fp32 (rows any stride) · the matrix ``panels`` holds (N = n
+        columns) -> [M, n]."""
         k = a.shape[-1]
         want = (-(-n // self.width), k, self.width)
         if a.dim() != 2 or a.dtype != torch.float32 or panels.dtype != torch.float32:
@@ -46,10 +47,11 @@ class PanelLibrary:
             raise ValueError(f"panel product: fp32 a [M, K] and panels, found {found}")
         if tuple(panels.shape) != want or not panels.is_contiguous():
             raise ValueError(f"panel product: panels of shape {want}, found {tuple(panels.shape)}")
-        a = a.contiguous()
+        if a.stride(1) != 1:
+            a = a.contiguous()
         c = torch.empty(a.shape[0], n, dtype=a.dtype)
         failed = self.lib.panel_product(
-            a.data_ptr(), panels.data_ptr(), c.data_ptr(), a.shape[0], k, n
+            a.data_ptr(), a.stride(0), panels.data_ptr(), c.data_ptr(), a.shape[0], k, n
         )
         if failed:
             raise MemoryError(f"panel product: no scratch for a of shape {tuple(a.shape)}")
@@ -64,7 +66,8 @@ def build_library(
 
 
 def _configured(lib: ctypes.CDLL) -> PanelLibrary:
-    lib.panel_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.panel_product.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.panel_product.restype = ctypes.c_int
     return PanelLibrary(lib, int(lib.panel_width()))
 

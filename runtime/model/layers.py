@@ -71,6 +71,14 @@ class DecoderLayer(nn.Module):
     def fuse_columns(self) -> None:
         """Modes whose column projections share an input multiply them as one GEMM."""
 
+    def decode_block_matrices(self) -> list[torch.Tensor]:
+        """Matrices that a native decode step multiplies as panels (none by default:
+        ``runtime.model.decode_block``)."""
+        return []
+
+    def prepare_decode_block(self) -> None:
+        """Once the tuned products have packed the matrices (a no-op by default)."""
+
     # Column projections that read the same input, multiplied as one GEMM once
     # ``fuse_dense_groups`` has concatenated their weights (the eager backend does: at 16
     # rows it saved 5% of the GEMM time of the 135M model here, and 20% at one row).

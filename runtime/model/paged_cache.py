@@ -40,3 +40,27 @@ class LayerCache:
         else:
             self.k_rows.index_copy_(0, slots, k)
             self.v_rows.index_copy_(0, slots, v)
+
+
+@dataclass(frozen=True)
+class DenseDecodeCache:
+    """What a decode step's native attention (``runtime.model.decode_block``) reads of one
+    dense layer cache: its K and V rows, each row's new slot [B], the slots of its
+    tokens [B, L] (new one included; 0 past its length) and lengths [B], all int64, and
+    the attention's scale. The slots are the same for every layer of a step: their range
+    is checked once, when the step makes them (``checked``)."""
+
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    new_slots: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    scale: float
+
+    @staticmethod
+    def checked(new_slots: torch.Tensor, slots: torch.Tensor, cache_slots: int) -> None:
+        """A slot past the cache would be read or written out of bounds by native code."""
+        low = min(int(new_slots.min()), int(slots.min()))
+        high = max(int(new_slots.max()), int(slots.max()))
+        if low < 0 or high >= cache_slots:
+            raise ValueError(f"decode slots {low}..{high} outside a cache of {cache_slots}")

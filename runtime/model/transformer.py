@@ -70,6 +70,16 @@ class TPModel(nn.Module):
             self.embed = head
         self.lm_head = head
 
+    def decode_block_matrices(self) -> list[torch.Tensor]:
+        """The layers' matrices that their native decode steps multiply as panels
+        (``DecoderLayer.decode_block_matrices``): the tuned products hold them so."""
+        return [t for layer in self.layers for t in layer.decode_block_matrices()]
+
+    def prepare_decode_blocks(self) -> None:
+        """After the tuned products have packed and released the matrices."""
+        for layer in self.layers:
+            layer.prepare_decode_block()
+
     def matrices(self) -> list[torch.Tensor]:
         """Every matrix as the eager backend multiplies by it: b [in, out]."""
         mats = [t for layer in self.layers for t in layer.buffers() if t.dim() == 2]

@@ -7,51 +7,9 @@
  * the AMD EPYC VM (Zen 4, one thread), cpu-demo tp 1 at batch 16 spent 3.4 ms of a
  * 144 ms step in its 17 norms ([16, 2048], ~200 us each) and 1.6 ms in 16 rotations.
  * Each sum below is over a row in a fixed order (so every rank gets the same result). */
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-#if defined(__AVX512F__)
-#define VEC 16
-#elif defined(__AVX__)
-#define VEC 8
-#else
-#define VEC 4
-#endif
-
-typedef float vec_t __attribute__((vector_size(VEC * sizeof(float)), aligned(sizeof(float))));
-
-static inline vec_t load(const float *p) {
-  vec_t v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline void store(float *p, vec_t v) { memcpy(p, &v, sizeof v); }
-
-static inline float row_scale(const float *xr, int64_t dim, float eps) {
-  vec_t acc = {0};
-  int64_t j = 0;
-  for (; j + VEC <= dim; j += VEC) {
-    vec_t v = load(xr + j);
-    acc += v * v;
-  }
-  float sum = 0;
-  for (int i = 0; i < VEC; i++) sum += acc[i];
-  for (; j < dim; j++) sum += xr[j] * xr[j];
-  return 1.0f / sqrtf(sum / (float)dim + eps);
-}
-
-static inline void scale_row(const float *xr, const float *w, float scale, float *o,
-                             int64_t dim) {
-  int64_t j = 0;
-  for (; j + VEC <= dim; j += VEC) {
-    vec_t v = load(xr + j) * scale;
-    store(o + j, w ? v * load(w + j) : v);
-  }
-  for (; j < dim; j++) o[j] = w ? xr[j] * scale * w[j] : xr[j] * scale;
-}
+#include "row_kernel.h"
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w NULL: no scale); x's rows ldx apart,
  * out's dim apart */
@@ -74,17 +32,7 @@ void add_rms_norm(float *x, int64_t ldx, const float *const *parts, const int64_
 #pragma omp parallel for schedule(static) if (rows * dim >= 65536)
   for (int64_t r = 0; r < rows; r++) {
     float *xr = x + r * ldx;
-    int64_t j = 0;
-    for (; j + VEC <= dim; j += VEC) {
-      vec_t sum = load(parts[0] + r * ld_parts[0] + j);
-      for (int64_t p = 1; p < nparts; p++) sum += load(parts[p] + r * ld_parts[p] + j);
-      store(xr + j, load(xr + j) + sum);
-    }
-    for (; j < dim; j++) {
-      float sum = parts[0][r * ld_parts[0] + j];
-      for (int64_t p = 1; p < nparts; p++) sum += parts[p][r * ld_parts[p] + j];
-      xr[j] += sum;
-    }
+    add_parts_row(xr, parts, ld_parts, nparts, r, dim);
     if (out) scale_row(xr, w, row_scale(xr, dim, eps), out + r * dim, dim);
   }
 }
@@ -100,21 +48,6 @@ void rope(const float *x, int64_t ld_token, int64_t ld_head, const float *cos,
   for (int64_t row = 0; row < tokens * heads; row++) {
     int64_t t = row / heads, h = row % heads;
     const float *xr = x + t * ld_token + h * ld_head, *c = cos + t * dim, *s = sin + t * dim;
-    float *o = out + row * dim;
-    if (half) {
-      int64_t j = 0;
-      for (; j + VEC <= half; j += VEC) {
-        vec_t lo = load(xr + j), hi = load(xr + half + j);
-        store(o + j, lo * load(c + j) + hi * load(s + j));
-        store(o + half + j, hi * load(c + half + j) + lo * load(s + half + j));
-      }
-      for (; j < half; j++) {
-        float lo = xr[j], hi = xr[half + j];
-        o[j] = lo * c[j] + hi * s[j];
-        o[half + j] = hi * c[half + j] + lo * s[half + j];
-      }
-    } else {
-      for (int64_t j = 0; j < dim; j++) o[j] = xr[j] * c[j] + xr[j ^ 1] * s[j];
-    }
+    rope_vector(xr, c, s, out + row * dim, dim, half);
   }
 }

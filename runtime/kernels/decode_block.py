@@ -1,0 +1,132 @@
+"""The native decode block (``native/decode_block.c``): a dense layer's decode step as two
+calls, the attention half and the MLP half, each one parallel region over panel-packed
+weights (``panel``), built once per machine (``native_build``). The layers use it through
+``runtime.model.decode_block``; where it did not build they run their ops one by one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.kernels import native_build
+
+SOURCE = native_build.NATIVE / "decode_block.c"
+
+
+def _pointers(parts: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+    return (
+        (ctypes.c_void_p * len(parts))(*[p.data_ptr() for p in parts]),
+        (ctypes.c_int64 * len(parts))(*[p.stride(0) for p in parts]),
+    )
+
+
+def _check_rows(x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """x [m, h] contiguous fp32 CPU; each part [m, h] fp32 with unit-stride rows."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.is_cuda:
+        raise ValueError(f"decode block: x must be a contiguous fp32 [m, h], found {x.shape}")
+    for p in parts:
+        if p.shape != x.shape or p.dtype != torch.float32 or p.stride(1) != 1:
+            raise ValueError(f"decode block: summand {tuple(p.shape)} for x {tuple(x.shape)}")
+
+
+@dataclass(frozen=True)
+class DecodeBlockLibrary:
+    lib: ctypes.CDLL
+
+    def attention(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        rope: tuple[torch.Tensor, torch.Tensor, int],
+        cache: tuple[torch.Tensor, ...],
+        scale: float,
+        o: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention half (``decode_attention`` in the C file): x [m, h] += parts (in
+        place), and the heads' output times W_o [m, h]. ``norm``: (weight, eps);
+        ``heads``: (query heads, KV heads, head_dim) of this rank; ``rope``: (cos, sin
+        [m, d] contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
+        [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
+        ``o``: panels (``PanelLibrary.pack``) whose shapes the caller has checked."""
+        _check_rows(x, parts)
+        (m, h), (n_heads, kv_heads, d) = x.shape, heads
+        cos, sin, half = rope
+        k_rows, v_rows, new_slots, slots, lengths = cache
+        if cos.shape != (m, d) or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"decode block: RoPE tables {tuple(cos.shape)}, want {(m, d)}")
+        want = (k_rows.shape[0], kv_heads, d)
+        fits = all(t.shape == want and t.is_contiguous() for t in (k_rows, v_rows))
+        indexes = all(
+            t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == m
+            for t in (new_slots, slots, lengths)
+        )
+        if not (fits and indexes):  # the slots' range: ``DenseDecodeCache`` checks it once
+            raise ValueError(f"decode block: cache rows {tuple(k_rows.shape)}, want {want}")
+        out = torch.empty(m, h)
+        pointers, strides = _pointers(parts)
+        failed = self.lib.decode_attention(
+            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
+            qkv.data_ptr(), n_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), half,
+            k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(), slots.data_ptr(),
+            slots.shape[1], lengths.data_ptr(), scale, o.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"decode block: no scratch for {m} rows")
+        return out
+
+    def mlp(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        gate_up: torch.Tensor,
+        inter: int,
+        down: torch.Tensor,
+    ) -> torch.Tensor:
+        """The MLP half (``decode_mlp``): x += parts (in place), and W_down's product of
+        silu(gate) · up [m, h]; ``inter``: this rank's MLP columns."""
+        _check_rows(x, parts)
+        m, h = x.shape
+        out = torch.empty(m, h)
+        pointers, strides = _pointers(parts)
+        failed = self.lib.decode_mlp(
+            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
+            gate_up.data_ptr(), inter, down.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"decode block: no scratch for {m} rows")
+        return out
+
+
+def build_library(
+    compiler: str, target: Path, flags: tuple[str, ...] = native_build.FLAGS
+) -> DecodeBlockLibrary:
+    """Compile the source to ``target`` (unless it is there) and load it."""
+    return _configured(native_build.compile_and_load(compiler, SOURCE, target, flags))
+
+
+def _configured(lib: ctypes.CDLL) -> DecodeBlockLibrary:
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    rows = [ptr, i64, i64, ptr, ptr, i64, ptr, f32]  # x, m, h, parts, strides, count, norm
+    lib.decode_attention.argtypes = [
+        *rows, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, f32, ptr, ptr
+    ]
+    lib.decode_mlp.argtypes = [*rows, ptr, i64, ptr, ptr]
+    lib.decode_attention.restype = lib.decode_mlp.restype = ctypes.c_int
+    return DecodeBlockLibrary(lib)
+
+
+@functools.cache
+def decode_block_library() -> DecodeBlockLibrary | None:
+    """The library for this CPU (``native_build.cached_library``), or None where it did
+    not build."""
+    lib = native_build.cached_library(SOURCE, "decode block")
+    return None if lib is None else _configured(lib)

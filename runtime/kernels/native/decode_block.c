@@ -1,0 +1,161 @@
+/* A dense decoder layer's decode step on the CPU in two calls, one per half-block
+ * (runtime/kernels/decode_block.py builds, loads and calls this file):
+ *
+ *   attention half: x += the previous half's summands; RMSNorm; q|k|v = one product;
+ *                   RoPE of q and k; k and v written to their cache slots; each query
+ *                   head against its KV head's cached keys and values (GQA), read in
+ *                   place; the heads' output times W_o -> out (not yet reduced)
+ *   MLP half:       x += the attention half's summands; RMSNorm; gate|up = one product;
+ *                   silu(gate) * up; times W_down -> out (not yet reduced)
+ *
+ * Why: at a decode step's few rows the products stream their weights and the work
+ * between them is tiny, but as torch ops each of those pieces (norm, split, RoPE, cache
+ * write, gather, attention, activation) is a call with its own tensors and dispatch.
+ * Measured on the Intel Xeon VM (2 threads, the 135M model, batch 1): the products
+ * took 18 of a 28 ms step; the rest was the ops between them. Here each half is one
+ * OpenMP parallel region: its products share out their panels (panel_kernel.h) and
+ * the pieces between them share out rows, heads and columns, with a barrier between
+ * stages. Products are the same panel loop as panel_product.c; the norm, residual sum
+ * and RoPE are row_ops.c's (row_kernel.h), so the results are those of the unfused path
+ * up to the softmax and the attention's sums (the tests compare within fp32 rounding). */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "panel_kernel.h"
+#include "row_kernel.h"
+
+/* x [m][h] += parts (nparts 0: nothing to add); xt [h][m] = RMSNorm(x) . w, transposed
+ * for the panel product (through normed [m][h]); rows shared out over the threads. */
+static void add_norm_transposed(float *x, int64_t m, int64_t h, const float *const *parts,
+                                const int64_t *ld_parts, int64_t nparts, const float *w,
+                                float eps, float *normed, float *xt) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < m; r++) {
+    float *xr = x + r * h, *row = normed + r * h;
+    if (nparts) add_parts_row(xr, parts, ld_parts, nparts, r, h);
+    scale_row(xr, w, row_scale(xr, h, eps), row, h);
+    for (int64_t j = 0; j < h; j++) xt[j * m + r] = row[j];
+  }
+}
+
+/* One query head of row r against its sequence's cached tokens: softmax(scale . q . k_j)
+ * . v_j over j < length, into outt's column r (transposed [heads * d][m]). */
+static void attend_head(const float *q, const float *k_rows, const float *v_rows,
+                        const int64_t *slots, int64_t length, int64_t ld_slot, float scale,
+                        int64_t d, float *scores, float *acc, float *outt, int64_t m) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < length; j++) {
+    const float *kj = k_rows + slots[j] * ld_slot;
+    vec_t sum = {0};
+    int64_t i = 0;
+    for (; i + VEC <= d; i += VEC) sum += load(q + i) * load(kj + i);
+    float s = 0;
+    for (int l = 0; l < VEC; l++) s += sum[l];
+    for (; i < d; i++) s += q[i] * kj[i];
+    scores[j] = s * scale;
+    top = scores[j] > top ? scores[j] : top;
+  }
+  float total = 0;
+  for (int64_t i = 0; i < d; i++) acc[i] = 0;
+  for (int64_t j = 0; j < length; j++) {
+    float p = expf(scores[j] - top);
+    total += p;
+    const float *vj = v_rows + slots[j] * ld_slot;
+    for (int64_t i = 0; i < d; i++) acc[i] += p * vj[i];
+  }
+  for (int64_t i = 0; i < d; i++) outt[i * m] = acc[i] / total;
+}
+
+/* The attention half; see the top of the file. x [m][h] (updated in place), parts: the
+ * previous half's summands. qkv_panels: W_q|W_k|W_v packed (panel_kernel.h), columns
+ * heads * d, then kv_heads * d twice. cos, sin [m][d]: each row's RoPE tables (sin
+ * signed), half as in rope_vector. k_rows, v_rows: the layer's cache, one row of
+ * [kv_heads][d] per slot; row r's new k and v go to slot new_slots[r], and it attends
+ * to slots[r * ld_slots + j], j < lengths[r] (its new token among them). out [m][h]:
+ * the heads' output times W_o (o_panels). Returns 0, or -1 without scratch memory. */
+int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
+                     const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
+                     const float *qkv_panels, int64_t heads, int64_t kv_heads, int64_t d,
+                     const float *cos, const float *sin, int64_t half, float *k_rows,
+                     float *v_rows, const int64_t *new_slots, const int64_t *slots,
+                     int64_t ld_slots, const int64_t *lengths, float scale,
+                     const float *o_panels, float *out) {
+  int64_t nq = (heads + 2 * kv_heads) * d, width = heads * d, longest = 0;
+  for (int64_t r = 0; r < m; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * nq + width * m));
+  if (!xt) return -1;
+  float *normed = xt + h * m, *qkv = normed + h * m, *attn_t = qkv + m * nq;
+  int failed = 0;
+#pragma omp parallel
+  {
+    /* per thread: one head's scores, rotated query and sums */
+    float *own = malloc(sizeof(float) * (size_t)(longest + 2 * d));
+    if (!own) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (!failed) {
+      add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+      int64_t first, last;
+      thread_share((nq + VEC - 1) / VEC, &first, &last);
+      panel_run(xt, m, h, qkv_panels, nq, qkv, nq, first, last);
+#pragma omp barrier
+      int64_t group = heads / kv_heads, ld_slot = kv_heads * d;
+#pragma omp for schedule(static)
+      for (int64_t unit = 0; unit < m * kv_heads; unit++) {
+        int64_t r = unit / kv_heads, g = unit % kv_heads;
+        const float *row = qkv + r * nq, *c = cos + r * d, *s = sin + r * d;
+        float *k_new = k_rows + new_slots[r] * ld_slot + g * d;
+        rope_vector(row + width + g * d, c, s, k_new, d, half);
+        memcpy(v_rows + new_slots[r] * ld_slot + g * d, row + width + kv_heads * d + g * d,
+               sizeof(float) * (size_t)d);
+        float *q = own + longest, *acc = q + d;
+        for (int64_t head = g * group; head < (g + 1) * group; head++) {
+          rope_vector(row + head * d, c, s, q, d, half);
+          attend_head(q, k_rows + g * d, v_rows + g * d, slots + r * ld_slots, lengths[r],
+                      ld_slot, scale, d, own, acc, attn_t + head * d * m + r, m);
+        }
+      }
+      thread_share((h + VEC - 1) / VEC, &first, &last);
+      panel_run(attn_t, m, width, o_panels, h, out, h, first, last);
+    }
+    free(own);
+  }
+  free(xt);
+  return failed ? -1 : 0;
+}
+
+/* The MLP half: x [m][h] += parts; RMSNorm . norm_w; gate|up = one product by
+ * gate_up_panels (columns: inter of gate, then inter of up); silu(gate) . up; out [m][h]
+ * = that times W_down (down_panels). Returns 0, or -1 without scratch memory. */
+int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
+               const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
+               const float *gate_up_panels, int64_t inter, const float *down_panels,
+               float *out) {
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m));
+  if (!xt) return -1;
+  float *normed = xt + h * m, *gate_up = normed + h * m, *hidden_t = gate_up + m * 2 * inter;
+#pragma omp parallel
+  {
+    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+    int64_t first, last;
+    thread_share((2 * inter + VEC - 1) / VEC, &first, &last);
+    panel_run(xt, m, h, gate_up_panels, 2 * inter, gate_up, 2 * inter, first, last);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < inter; j++) {
+      for (int64_t r = 0; r < m; r++) {
+        float g = gate_up[r * 2 * inter + j], u = gate_up[r * 2 * inter + inter + j];
+        hidden_t[j * m + r] = g / (1.0f + expf(-g)) * u;
+      }
+    }
+    thread_share((h + VEC - 1) / VEC, &first, &last);
+    panel_run(hidden_t, m, inter, down_panels, h, out, h, first, last);
+  }
+  free(xt);
+  return 0;
+}

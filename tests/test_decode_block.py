@@ -1,0 +1,141 @@
+"""The native decode block (``runtime/kernels/native/decode_block.c``) against plain torch:
+each half-block's residual update, cache writes and output over hypothesis-drawn shapes
+(rows past the kernel's 16-row pass, head sizes off the vector width, GQA groups, RoPE
+styles, all-reduce summands), fp32 only (the kernel's one dtype): the residual bit-exact
+(same sums in the same order), the outputs within 1e-4 (the products' and the softmax's
+sums run in another order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.kernels import eager
+from runtime.kernels.decode_block import decode_block_library
+from runtime.kernels.panel import panel_library
+
+pytestmark = pytest.mark.skipif(
+    decode_block_library() is None or panel_library() is None,
+    reason="no C compiler here: the decode block did not build",
+)
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    """w [in, out] as the kernel's panels."""
+    return panel_library().pack(w.t().contiguous().t())
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _residual(x: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    if not parts:
+        return x.clone()
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return x + total
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    half_dim=st.sampled_from([1, 2, 3, 4, 8, 9, 32]),
+    hidden=st.integers(1, 40),
+    parts=st.integers(0, 3),
+    style=st.sampled_from(["neox", "gptj"]),
+    seed=st.integers(0, 10_000),
+)
+def test_attention_half_equals_torch(m, kv_heads, group, half_dim, hidden, parts, style, seed):
+    gen = torch.Generator().manual_seed(seed)
+    d, heads = 2 * half_dim, kv_heads * group
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
+    norm_w, w_qkv, w_o = (
+        rand(hidden),
+        rand(hidden, (heads + 2 * kv_heads) * d),
+        rand(heads * d, hidden),
+    )
+    lengths = torch.randint(1, 30, (m,), generator=gen)
+    longest, cache_slots = int(lengths.max()), int(lengths.sum()) + 3
+    order = torch.randperm(cache_slots, generator=gen)  # each token its own slot
+    slots = torch.zeros(m, longest, dtype=torch.long)
+    used = 0
+    for r, n in enumerate(lengths.tolist()):
+        slots[r, :n] = order[used : used + n]
+        used += n
+    new_slots = slots[torch.arange(m), lengths - 1].clone()
+    k_rows, v_rows = rand(cache_slots, kv_heads, d), rand(cache_slots, kv_heads, d)
+    positions = lengths - 1
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = eager.rope_tables(positions, inv_freq, style)
+    scale, eps = d**-0.5, 1e-5
+
+    # torch: the layer's ops one by one
+    x_want = _residual(x, summands)
+    qkv = _rms(x_want, norm_w, eps) @ w_qkv
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    rot = (cos[:, None], sin[:, None], style)
+    q = eager.torch_rotate(q.reshape(m, heads, d), *rot)
+    k = eager.torch_rotate(k.reshape(m, kv_heads, d), *rot)
+    k_want, v_want = k_rows.clone(), v_rows.clone()
+    k_want[new_slots], v_want[new_slots] = k, v.reshape(m, kv_heads, d)
+    valid = torch.arange(longest)[None] < lengths[:, None]
+    attended = eager.grouped_attention(q, k_want[slots], v_want[slots], valid, scale)
+    out_want = attended.reshape(m, heads * d) @ w_o
+
+    out = decode_block_library().attention(
+        x, summands, (norm_w, eps), _panels(w_qkv), (heads, kv_heads, d),
+        (cos.contiguous(), sin.contiguous(), half_dim if style == "neox" else 0),
+        (k_rows, v_rows, new_slots, slots, lengths.long()), scale, _panels(w_o),
+    )  # fmt: skip
+    assert torch.equal(x, x_want)
+    assert torch.allclose(k_rows, k_want, **TOL) and torch.allclose(v_rows, v_want, **TOL)
+    assert torch.allclose(out, out_want, **TOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    hidden=st.integers(1, 40),
+    inter=st.integers(1, 50),
+    parts=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_mlp_half_equals_torch(m, hidden, inter, parts, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
+    norm_w, w_gate_up, w_down = rand(hidden), rand(hidden, 2 * inter), rand(inter, hidden)
+    x_want = _residual(x, summands)
+    gate, up = (_rms(x_want, norm_w, 1e-6) @ w_gate_up).split(inter, dim=1)
+    out_want = (F.silu(gate) * up) @ w_down
+    out = decode_block_library().mlp(
+        x, summands, (norm_w, 1e-6), _panels(w_gate_up), inter, _panels(w_down)
+    )
+    assert torch.equal(x, x_want)
+    assert torch.allclose(out, out_want, **TOL)
+
+
+def test_operands_it_would_misread_are_refused():
+    lib = decode_block_library()
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="summand"):
+        lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), _panels(torch.randn(8, 4)), 2,
+                _panels(torch.randn(2, 8)))  # fmt: skip
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), _panels(torch.randn(8, 4)),
+                2, _panels(torch.randn(2, 8)))  # fmt: skip
