@@ -133,6 +133,7 @@ class ModelRunner:
                     options.pack_weights,
                     progress=TuningProgress() if self.rank == 0 else None,
                     group=self.comm.group,
+                    streamed_besides=sum(b.numel() * b.element_size() for b in panels),
                 )
                 self.tuning.seconds = time.perf_counter() - start
                 self.gemm = choose(timings, panel_shapes=group_by_shape(panels))
