@@ -1,9 +1,9 @@
 """The native decode block (``runtime/kernels/native/decode_block.c``) against plain torch:
 each half-block's residual update, cache writes and output over hypothesis-drawn shapes
 (rows past the kernel's 16-row pass, head sizes off the vector width, GQA groups, RoPE
-styles, all-reduce summands), fp32 only (the kernel's one dtype): the residual bit-exact
-(same sums in the same order), the outputs within 1e-4 (the products' and the softmax's
-sums run in another order)."""
+styles, all-reduce summands, each projection dense or low-rank with odd ranks), fp32
+only (the kernel's one dtype): the residual bit-exact (same sums in the same order), the
+outputs within 1e-4 (the products' and the softmax's sums run in another order)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import eager
-from runtime.kernels.decode_block import decode_block_library
+from runtime.kernels.decode_block import Projection, decode_block_library
 from runtime.kernels.panel import panel_library
 
 pytestmark = pytest.mark.skipif(
@@ -27,6 +27,39 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
 def _panels(w: torch.Tensor) -> torch.Tensor:
     """w [in, out] as the kernel's panels."""
     return panel_library().pack(w.t().contiguous().t())
+
+
+class _Reference:
+    """A projection as the reference multiplies it: x·W, or each member's x·D_i·U_i
+    side by side (its latent first, as the kernel computes it)."""
+
+    def __init__(self, dense: torch.Tensor | None, factors: list | None = None) -> None:
+        self.dense, self.factors = dense, factors or []
+
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return x @ self.dense
+        return torch.cat([(x @ d) @ u for d, u in self.factors], dim=1)
+
+
+def _projection(
+    gen: torch.Generator, k: int, widths: list[int], ranks: list[int] | None
+) -> tuple[Projection, _Reference]:
+    """A projection from k inputs to the columns ``widths`` (side by side): dense
+    (``ranks`` None), or each member low-rank with its down factors concatenated."""
+    if ranks is None:
+        w = torch.randn(k, sum(widths), generator=gen)
+        return Projection(_panels(w), w.shape[1]), _Reference(w)
+    downs = [torch.randn(k, r, generator=gen) for r in ranks]
+    ups = [torch.randn(r, n, generator=gen) / r**0.5 for r, n in zip(ranks, widths, strict=True)]
+    cat = torch.cat(downs, dim=1)
+    members = tuple((_panels(u), r, n) for u, r, n in zip(ups, ranks, widths, strict=True))
+    reference = _Reference(None, list(zip(downs, ups, strict=True)))
+    return Projection(_panels(cat), cat.shape[1], members), reference
+
+
+# a projection's members' ranks: None (dense), or odd, 1, past the vector width
+RANKS = st.one_of(st.none(), st.lists(st.integers(1, 21), min_size=3, max_size=3))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,9 +84,13 @@ def _residual(x: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     hidden=st.integers(1, 40),
     parts=st.integers(0, 3),
     style=st.sampled_from(["neox", "gptj"]),
+    qkv_ranks=RANKS,
+    o_ranks=RANKS,
     seed=st.integers(0, 10_000),
 )
-def test_attention_half_equals_torch(m, kv_heads, group, half_dim, hidden, parts, style, seed):
+def test_attention_half_equals_torch(
+    m, kv_heads, group, half_dim, hidden, parts, style, qkv_ranks, o_ranks, seed
+):
     gen = torch.Generator().manual_seed(seed)
     d, heads = 2 * half_dim, kv_heads * group
 
@@ -61,11 +98,9 @@ def test_attention_half_equals_torch(m, kv_heads, group, half_dim, hidden, parts
         return torch.randn(*shape, generator=gen)
 
     x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
-    norm_w, w_qkv, w_o = (
-        rand(hidden),
-        rand(hidden, (heads + 2 * kv_heads) * d),
-        rand(heads * d, hidden),
-    )
+    norm_w = rand(hidden)
+    qkv_proj, w_qkv = _projection(gen, hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_ranks)
+    o_proj, w_o = _projection(gen, heads * d, [hidden], o_ranks and o_ranks[:1])
     lengths = torch.randint(1, 30, (m,), generator=gen)
     longest, cache_slots = int(lengths.max()), int(lengths.sum()) + 3
     order = torch.randperm(cache_slots, generator=gen)  # each token its own slot
@@ -95,9 +130,9 @@ def test_attention_half_equals_torch(m, kv_heads, group, half_dim, hidden, parts
     out_want = attended.reshape(m, heads * d) @ w_o
 
     out = decode_block_library().attention(
-        x, summands, (norm_w, eps), _panels(w_qkv), (heads, kv_heads, d),
+        x, summands, (norm_w, eps), qkv_proj, (heads, kv_heads, d),
         (cos.contiguous(), sin.contiguous(), half_dim if style == "neox" else 0),
-        (k_rows, v_rows, new_slots, slots, lengths.long()), scale, _panels(w_o),
+        (k_rows, v_rows, new_slots, slots, lengths.long()), scale, o_proj,
     )  # fmt: skip
     assert torch.equal(x, x_want)
     assert torch.allclose(k_rows, k_want, **TOL) and torch.allclose(v_rows, v_want, **TOL)
@@ -110,32 +145,36 @@ def test_attention_half_equals_torch(m, kv_heads, group, half_dim, hidden, parts
     hidden=st.integers(1, 40),
     inter=st.integers(1, 50),
     parts=st.integers(0, 3),
+    gate_up_ranks=RANKS,
+    down_ranks=RANKS,
     seed=st.integers(0, 10_000),
 )
-def test_mlp_half_equals_torch(m, hidden, inter, parts, seed):
+def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_ranks, seed):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
     x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
-    norm_w, w_gate_up, w_down = rand(hidden), rand(hidden, 2 * inter), rand(inter, hidden)
+    norm_w = rand(hidden)
+    gate_up_proj, w_gate_up = _projection(
+        gen, hidden, [inter, inter], gate_up_ranks and gate_up_ranks[:2]
+    )
+    down_proj, w_down = _projection(gen, inter, [hidden], down_ranks and down_ranks[:1])
     x_want = _residual(x, summands)
     gate, up = (_rms(x_want, norm_w, 1e-6) @ w_gate_up).split(inter, dim=1)
     out_want = (F.silu(gate) * up) @ w_down
-    out = decode_block_library().mlp(
-        x, summands, (norm_w, 1e-6), _panels(w_gate_up), inter, _panels(w_down)
-    )
+    out = decode_block_library().mlp(x, summands, (norm_w, 1e-6), gate_up_proj, inter, down_proj)
     assert torch.equal(x, x_want)
     assert torch.allclose(out, out_want, **TOL)
 
 
 def test_operands_it_would_misread_are_refused():
-    lib = decode_block_library()
+    lib, gen = decode_block_library(), torch.Generator().manual_seed(0)
     x = torch.randn(2, 8)
+    gate_up, _ = _projection(gen, 8, [2, 2], None)
+    down, _ = _projection(gen, 2, [8], None)
     with pytest.raises(ValueError, match="summand"):
-        lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), _panels(torch.randn(8, 4)), 2,
-                _panels(torch.randn(2, 8)))  # fmt: skip
+        lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), gate_up, 2, down)
     with pytest.raises(ValueError, match="contiguous fp32"):
-        lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), _panels(torch.randn(8, 4)),
-                2, _panels(torch.randn(2, 8)))  # fmt: skip
+        lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), gate_up, 2, down)

@@ -94,10 +94,12 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         # r_k = 5 over 2 KV heads of 8: 2 RoPE pairs copied, shared out over the ranks
         want_copies = {i: (4 // tp, 16 // tp) for i in range(2)} if kv == "latent" else {}
         assert llm.workers.call("latent_key_copies") == [want_copies] * tp
-        # dense layers (dense mode, deinfer's all merged) decode through the native
-        # block on the CPU path (panels, one call per half-block)
-        dense_layers = mode == "dense" or (layout, kv) == ("optimized", "dense")
-        blocks = CONFIG["num_hidden_layers"] if dense_layers and path == "dynamic" else 0
+        # on the CPU path, layers with a dense cache decode through the native block
+        # (panels, one call per half-block): dense ones (dense mode, deinfer's all
+        # merged) at any tp, deinfer's low-rank ones on one rank
+        native = mode == "dense" or (mode == "deinfer" and (tp == 1 or layout == "optimized"))
+        native = native and kv == "dense" and path == "dynamic"
+        blocks = CONFIG["num_hidden_layers"] if native else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want

@@ -18,6 +18,52 @@ from runtime.kernels import native_build
 SOURCE = native_build.NATIVE / "decode_block.c"
 
 
+class _Projection(ctypes.Structure):
+    """``projection_t`` of the C file."""
+
+    _fields_ = [
+        ("down", ctypes.c_void_p),
+        ("n_down", ctypes.c_int64),
+        ("members", ctypes.c_int64),
+        ("ups", ctypes.POINTER(ctypes.c_void_p)),
+        ("ranks", ctypes.POINTER(ctypes.c_int64)),
+        ("widths", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class Projection:
+    """One projection of a half-block, as panels (``PanelLibrary.pack``): dense, ``down``
+    alone [in -> out]; or low-rank, ``down`` [in -> sum of ranks] (a column group's down
+    factors side by side) and each member's up factor [rank -> width], in column order.
+    Holds the C descriptor (and keeps the tensors it points to alive)."""
+
+    down: torch.Tensor
+    columns: int  # the down panels' columns
+    ups: tuple[tuple[torch.Tensor, int, int], ...] = ()  # (panels, rank, width)
+
+    @property
+    def in_width(self) -> int:
+        return self.down.shape[1]  # panels [ceil(columns / width), in, width]
+
+    @property
+    def out_width(self) -> int:
+        return sum(w for _, _, w in self.ups) if self.ups else self.columns
+
+    def __post_init__(self) -> None:
+        n = len(self.ups)
+        arrays = (  # kept alive with the descriptor that points to them
+            (ctypes.c_void_p * max(n, 1))(*[u.data_ptr() for u, _, _ in self.ups]),
+            (ctypes.c_int64 * max(n, 1))(*[r for _, r, _ in self.ups]),
+            (ctypes.c_int64 * max(n, 1))(*[w for _, _, w in self.ups]),
+        )
+        ups, ranks, widths = arrays
+        described = _Projection(self.down.data_ptr(), self.columns, n, ups, ranks, widths)
+        object.__setattr__(self, "arrays", arrays)
+        object.__setattr__(self, "descriptor", described)
+        object.__setattr__(self, "address", ctypes.addressof(described))
+
+
 def _pointers(parts: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
     return (
         (ctypes.c_void_p * len(parts))(*[p.data_ptr() for p in parts]),
@@ -43,19 +89,19 @@ class DecodeBlockLibrary:
         x: torch.Tensor,
         parts: list[torch.Tensor],
         norm: tuple[torch.Tensor, float],
-        qkv: torch.Tensor,
+        qkv: Projection,
         heads: tuple[int, int, int],
         rope: tuple[torch.Tensor, torch.Tensor, int],
         cache: tuple[torch.Tensor, ...],
         scale: float,
-        o: torch.Tensor,
+        o: Projection,
     ) -> torch.Tensor:
         """The attention half (``decode_attention`` in the C file): x [m, h] += parts (in
         place), and the heads' output times W_o [m, h]. ``norm``: (weight, eps);
         ``heads``: (query heads, KV heads, head_dim) of this rank; ``rope``: (cos, sin
         [m, d] contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
         [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
-        ``o``: panels (``PanelLibrary.pack``) whose shapes the caller has checked."""
+        ``o``: projections whose shapes the caller has checked."""
         _check_rows(x, parts)
         (m, h), (n_heads, kv_heads, d) = x.shape, heads
         cos, sin, half = rope
@@ -74,9 +120,9 @@ class DecodeBlockLibrary:
         pointers, strides = _pointers(parts)
         failed = self.lib.decode_attention(
             x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
-            qkv.data_ptr(), n_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), half,
+            qkv.address, n_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), half,
             k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(), slots.data_ptr(),
-            slots.shape[1], lengths.data_ptr(), scale, o.data_ptr(), out.data_ptr(),
+            slots.shape[1], lengths.data_ptr(), scale, o.address, out.data_ptr(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"decode block: no scratch for {m} rows")
@@ -87,9 +133,9 @@ class DecodeBlockLibrary:
         x: torch.Tensor,
         parts: list[torch.Tensor],
         norm: tuple[torch.Tensor, float],
-        gate_up: torch.Tensor,
+        gate_up: Projection,
         inter: int,
-        down: torch.Tensor,
+        down: Projection,
     ) -> torch.Tensor:
         """The MLP half (``decode_mlp``): x += parts (in place), and W_down's product of
         silu(gate) · up [m, h]; ``inter``: this rank's MLP columns."""
@@ -99,7 +145,8 @@ class DecodeBlockLibrary:
         pointers, strides = _pointers(parts)
         failed = self.lib.decode_mlp(
             x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
-            gate_up.data_ptr(), inter, down.data_ptr(), out.data_ptr(),
+            gate_up.address, inter, down.address,
+            out.data_ptr(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"decode block: no scratch for {m} rows")
@@ -117,7 +164,23 @@ def _configured(lib: ctypes.CDLL) -> DecodeBlockLibrary:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     rows = [ptr, i64, i64, ptr, ptr, i64, ptr, f32]  # x, m, h, parts, strides, count, norm
     lib.decode_attention.argtypes = [
-        *rows, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, f32, ptr, ptr
+        *rows,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        f32,
+        ptr,
+        ptr,
     ]
     lib.decode_mlp.argtypes = [*rows, ptr, i64, ptr, ptr]
     lib.decode_attention.restype = lib.decode_mlp.restype = ctypes.c_int

@@ -24,6 +24,7 @@ from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.huge_pages import on_huge_pages
+from runtime.model.decode_block import DecodeBlock, covers, matrices_of
 from runtime.model.execution import Batch, Execution
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -71,13 +72,40 @@ class DecoderLayer(nn.Module):
     def fuse_columns(self) -> None:
         """Modes whose column projections share an input multiply them as one GEMM."""
 
+    # the native decode step, once the layer's matrices are panels (``prepare_decode_block``)
+    decode_block: DecodeBlock | None = None
+
+    def decode_block_allowed(self) -> bool:
+        """Whether this layer's dataflow is the native decode block's (two half-blocks,
+        each ending in a product the next norm adds after its all-reduce)."""
+        return False
+
     def decode_block_matrices(self) -> list[torch.Tensor]:
-        """Matrices that a native decode step multiplies as panels (none by default:
-        ``runtime.model.decode_block``)."""
-        return []
+        """The matrices to hold as panels alone, where the native decode block covers
+        this layer on this rank's path (``runtime.model.decode_block.covers``)."""
+        weights = {name: self.w(name) for name in self.names}
+        allowed = self.decode_block_allowed() and self.s.execution.fuses_residual_adds
+        if not (allowed and covers(self.s.model, weights)):
+            return []
+        return [weights[name] for name in matrices_of(weights)]
 
     def prepare_decode_block(self) -> None:
-        """Once the tuned products have packed the matrices (a no-op by default)."""
+        """Once the tuned products have packed and released the matrices."""
+        if self.decode_block_matrices():
+            weights = {name: self.w(name) for name in self.names}
+            self.decode_block = DecodeBlock.of(self.s.model, weights)
+
+    def decode_natively(
+        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward_fused`` through the native decode block, where the layer has one and
+        the batch is a decode step that offers this layer's dense cache; else None."""
+        cache = None if batch.dense_cache is None else batch.dense_cache(self.index)
+        if self.decode_block is None or cache is None or batch.rope_tables is None:
+            return None
+        summands = [] if pending is None else self.s.comm.summands(pending)
+        o = self.decode_block.attention(x, summands, batch.rope_tables, cache)
+        return x, self.decode_block.mlp(x, self.s.comm.summands(o))
 
     # Column projections that read the same input, multiplied as one GEMM once
     # ``fuse_dense_groups`` has concatenated their weights (the eager backend does: at 16
@@ -208,6 +236,33 @@ class DeinferLayer(DecoderLayer):
     def fuse_columns(self) -> None:
         """A column group whose matrices all run merged is one GEMM, as in dense mode."""
         self.fuse_dense_groups()
+
+    def fuses_residual(self) -> bool:
+        """On one rank each block's output is whole (no all-reduce for the next norm to
+        add), so the residual adds fuse into the norms as in the dense layer."""
+        return self.s.comm.world == 1 and self.s.execution.fuses_residual_adds
+
+    def decode_block_allowed(self) -> bool:
+        """On one rank (no latent all-gather between a group's down and up products),
+        with each concatenated group's members in the block's column order."""
+        orders = {"attn": ("q", "k", "v"), "mlp": ("gate", "up")}
+        for group, order in orders.items():
+            cat = self.s.plan.concat(group)
+            if cat is not None and tuple(n for n, _ in cat.members) != order:
+                return False
+        return self.s.comm.world == 1
+
+    def forward_fused(
+        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On one rank: ``pending`` is the previous layer's whole MLP output."""
+        native = self.decode_natively(x, pending, batch)
+        if native is not None:
+            return native
+        if pending is not None:
+            eager.add_summands(x, [pending])
+        x.add_(self.attention_block(x, batch))
+        return x, self.mlp_block(x, batch)
 
     def gemm_only(self) -> set[str]:
         """Not the up factors of a concat group across ranks (the ring multiplies row

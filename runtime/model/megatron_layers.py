@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.model.decode_block import MATRICES, DecodeBlock, covers
 from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer
 
 
@@ -44,24 +43,11 @@ class BaseLayer(DecoderLayer):
 class DenseLayer(DecoderLayer):
     """Undecomposed Megatron TP over the products D·U: 2 all-reduces of h per block."""
 
-    # the native decode step, once the layer's matrices are panels (``prepare_decode_block``)
-    decode_block: DecodeBlock | None = None
-
     def fuse_columns(self) -> None:
         self.fuse_dense_groups()
 
-    def decode_block_matrices(self) -> list[torch.Tensor]:
-        """The matrices to hold as panels alone, where the native decode block covers
-        this layer on this rank's path (``runtime.model.decode_block.covers``)."""
-        weights = {name: self.w(name) for name in self.names}
-        if not (self.s.execution.fuses_residual_adds and covers(self.s.model, weights)):
-            return []
-        return [weights[name] for name in MATRICES]
-
-    def prepare_decode_block(self) -> None:
-        """Once the tuned products have packed and released the matrices."""
-        if self.decode_block_matrices():
-            self.decode_block = DecodeBlock.of(self.s.model, self.w)
+    def decode_block_allowed(self) -> bool:
+        return True
 
     def columns(self, names: tuple[str, ...], x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         outs = self.dense_columns(names, x, batch)
@@ -102,11 +88,9 @@ class DenseLayer(DecoderLayer):
     def forward_fused(
         self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = None if batch.dense_cache is None else batch.dense_cache(self.index)
-        if self.decode_block is not None and cache is not None and batch.rope_tables:
-            summands = [] if pending is None else self.s.comm.summands(pending)
-            o = self.decode_block.attention(x, summands, batch.rope_tables, cache)
-            return x, self.decode_block.mlp(x, self.s.comm.summands(o))
+        native = self.decode_natively(x, pending, batch)
+        if native is not None:
+            return native
         attended = self.attention_heads(self.add_norm(x, pending, "input_norm"), batch)
         o = self.gemm(attended, self.w("o.weight"), batch.n_valid)
         h = self.mlp_hidden(self.add_norm(x, o, "post_norm"), batch)

@@ -1,12 +1,17 @@
-/* A dense decoder layer's decode step on the CPU in two calls, one per half-block
- * (runtime/kernels/decode_block.py builds, loads and calls this file):
+/* A decoder layer's decode step on the CPU in two calls, one per half-block, each
+ * projection dense or low-rank (runtime/kernels/decode_block.py builds, loads and calls
+ * this file):
  *
- *   attention half: x += the previous half's summands; RMSNorm; q|k|v = one product;
+ *   attention half: x += the previous half's summands; RMSNorm; q|k|v (one product, or
+ *                   the latent of the down factors side by side, then each up factor);
  *                   RoPE of q and k; k and v written to their cache slots; each query
  *                   head against its KV head's cached keys and values (GQA), read in
  *                   place; the heads' output times W_o -> out (not yet reduced)
- *   MLP half:       x += the attention half's summands; RMSNorm; gate|up = one product;
+ *   MLP half:       x += the attention half's summands; RMSNorm; gate|up (likewise);
  *                   silu(gate) * up; times W_down -> out (not yet reduced)
+ *
+ * A low-rank projection's latent stays in this call's scratch between its down and up
+ * products (a few KB at decode rows) instead of becoming a tensor between torch calls.
  *
  * Why: at a decode step's few rows the products stream their weights and the work
  * between them is tiny, but as torch ops each of those pieces (norm, split, RoPE, cache
@@ -41,6 +46,60 @@ static void add_norm_transposed(float *x, int64_t m, int64_t h, const float *con
   }
 }
 
+/* One projection of a half-block: dense, one matrix (down: its panels, n_down its
+ * columns), or latent (down: the down factor, or a column group's down factors side by
+ * side, n_down their ranks' sum), whose latent each member's up factor (ups[i], ranks[i]
+ * rows of the latent in order, widths[i] output columns in order) then multiplies. */
+typedef struct {
+  const float *down;
+  int64_t n_down;
+  int64_t members; /* 0: dense */
+  const float *const *ups;
+  const int64_t *ranks;
+  const int64_t *widths;
+} projection_t;
+
+static inline int64_t panels_of(int64_t columns) { return (columns + VEC - 1) / VEC; }
+
+/* The scratch a latent projection needs for m rows: its latent and its transpose */
+static inline int64_t latent_floats(const projection_t *p, int64_t m) {
+  return p->members ? 2 * m * p->n_down : 0;
+}
+
+/* c [m][ldc] = a . projection, from at [k][m] (a transposed); z: latent_floats scratch.
+ * Called by every thread of the region; the threads' writes to c are done when it
+ * returns (it ends with a barrier). */
+static void project(const projection_t *p, const float *at, int64_t m, int64_t k, float *z,
+                    float *c, int64_t ldc) {
+  int64_t first, last;
+  thread_share(panels_of(p->n_down), &first, &last);
+  if (!p->members) {
+    panel_run(at, m, k, p->down, p->n_down, c, ldc, first, last);
+#pragma omp barrier
+    return;
+  }
+  float *zt = z + m * p->n_down;
+  panel_run(at, m, k, p->down, p->n_down, z, p->n_down, first, last);
+#pragma omp barrier
+#pragma omp for schedule(static)
+  for (int64_t j = 0; j < p->n_down; j++)
+    for (int64_t r = 0; r < m; r++) zt[j * m + r] = z[r * p->n_down + j];
+  int64_t total = 0;
+  for (int64_t i = 0; i < p->members; i++) total += panels_of(p->widths[i]);
+  thread_share(total, &first, &last);
+  int64_t base = 0, row = 0, col = 0;
+  for (int64_t i = 0; i < p->members; i++) {
+    int64_t count = panels_of(p->widths[i]);
+    int64_t lo = (first > base ? first : base) - base;
+    int64_t hi = (last < base + count ? last : base + count) - base;
+    if (lo < hi) panel_run(zt + row * m, m, p->ranks[i], p->ups[i], p->widths[i], c + col, ldc, lo, hi);
+    base += count;
+    row += p->ranks[i];
+    col += p->widths[i];
+  }
+#pragma omp barrier
+}
+
 /* One query head of row r against its sequence's cached tokens: softmax(scale . q . k_j)
  * . v_j over j < length, into outt's column r (transposed [heads * d][m]). */
 static void attend_head(const float *q, const float *k_rows, const float *v_rows,
@@ -70,24 +129,28 @@ static void attend_head(const float *q, const float *k_rows, const float *v_rows
 }
 
 /* The attention half; see the top of the file. x [m][h] (updated in place), parts: the
- * previous half's summands. qkv_panels: W_q|W_k|W_v packed (panel_kernel.h), columns
- * heads * d, then kv_heads * d twice. cos, sin [m][d]: each row's RoPE tables (sin
+ * previous half's summands. qkv_proj: q|k|v (a projection_t), columns heads * d, then
+ * kv_heads * d twice. cos, sin [m][d]: each row's RoPE tables (sin
  * signed), half as in rope_vector. k_rows, v_rows: the layer's cache, one row of
  * [kv_heads][d] per slot; row r's new k and v go to slot new_slots[r], and it attends
  * to slots[r * ld_slots + j], j < lengths[r] (its new token among them). out [m][h]:
- * the heads' output times W_o (o_panels). Returns 0, or -1 without scratch memory. */
+ * the heads' output times W_o (o_proj). Returns 0, or -1 without scratch memory. */
 int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
                      const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
-                     const float *qkv_panels, int64_t heads, int64_t kv_heads, int64_t d,
+                     const projection_t *qkv_proj, int64_t heads, int64_t kv_heads, int64_t d,
                      const float *cos, const float *sin, int64_t half, float *k_rows,
                      float *v_rows, const int64_t *new_slots, const int64_t *slots,
                      int64_t ld_slots, const int64_t *lengths, float scale,
-                     const float *o_panels, float *out) {
+                     const projection_t *o_proj, float *out) {
   int64_t nq = (heads + 2 * kv_heads) * d, width = heads * d, longest = 0;
   for (int64_t r = 0; r < m; r++) longest = lengths[r] > longest ? lengths[r] : longest;
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * nq + width * m));
+  int64_t latent = latent_floats(qkv_proj, m) > latent_floats(o_proj, m)
+                       ? latent_floats(qkv_proj, m)
+                       : latent_floats(o_proj, m);
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * nq + width * m + latent));
   if (!xt) return -1;
   float *normed = xt + h * m, *qkv = normed + h * m, *attn_t = qkv + m * nq;
+  float *z = attn_t + width * m;
   int failed = 0;
 #pragma omp parallel
   {
@@ -100,10 +163,7 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
 #pragma omp barrier
     if (!failed) {
       add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
-      int64_t first, last;
-      thread_share((nq + VEC - 1) / VEC, &first, &last);
-      panel_run(xt, m, h, qkv_panels, nq, qkv, nq, first, last);
-#pragma omp barrier
+      project(qkv_proj, xt, m, h, z, qkv, nq);
       int64_t group = heads / kv_heads, ld_slot = kv_heads * d;
 #pragma omp for schedule(static)
       for (int64_t unit = 0; unit < m * kv_heads; unit++) {
@@ -120,8 +180,7 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
                       ld_slot, scale, d, own, acc, attn_t + head * d * m + r, m);
         }
       }
-      thread_share((h + VEC - 1) / VEC, &first, &last);
-      panel_run(attn_t, m, width, o_panels, h, out, h, first, last);
+      project(o_proj, attn_t, m, width, z, out, h);
     }
     free(own);
   }
@@ -130,22 +189,23 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
 }
 
 /* The MLP half: x [m][h] += parts; RMSNorm . norm_w; gate|up = one product by
- * gate_up_panels (columns: inter of gate, then inter of up); silu(gate) . up; out [m][h]
- * = that times W_down (down_panels). Returns 0, or -1 without scratch memory. */
+ * gate_up_proj (columns: inter of gate, then inter of up); silu(gate) . up; out [m][h]
+ * = that times W_down (down_proj). Returns 0, or -1 without scratch memory. */
 int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
                const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
-               const float *gate_up_panels, int64_t inter, const float *down_panels,
+               const projection_t *gate_up_proj, int64_t inter, const projection_t *down_proj,
                float *out) {
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m));
+  int64_t latent = latent_floats(gate_up_proj, m) > latent_floats(down_proj, m)
+                       ? latent_floats(gate_up_proj, m)
+                       : latent_floats(down_proj, m);
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m + latent));
   if (!xt) return -1;
   float *normed = xt + h * m, *gate_up = normed + h * m, *hidden_t = gate_up + m * 2 * inter;
+  float *z = hidden_t + inter * m;
 #pragma omp parallel
   {
     add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
-    int64_t first, last;
-    thread_share((2 * inter + VEC - 1) / VEC, &first, &last);
-    panel_run(xt, m, h, gate_up_panels, 2 * inter, gate_up, 2 * inter, first, last);
-#pragma omp barrier
+    project(gate_up_proj, xt, m, h, z, gate_up, 2 * inter);
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < inter; j++) {
       for (int64_t r = 0; r < m; r++) {
@@ -153,8 +213,7 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
         hidden_t[j * m + r] = g / (1.0f + expf(-g)) * u;
       }
     }
-    thread_share((h + VEC - 1) / VEC, &first, &last);
-    panel_run(hidden_t, m, inter, down_panels, h, out, h, first, last);
+    project(down_proj, hidden_t, m, inter, z, out, h);
   }
   free(xt);
   return 0;
