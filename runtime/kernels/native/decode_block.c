@@ -100,6 +100,18 @@ static void project(const projection_t *p, const float *at, int64_t m, int64_t k
 #pragma omp barrier
 }
 
+/* Tokens ahead of the one being read whose cached key or value row is prefetched, every
+ * cache line of it: one KV head's rows are kv_heads * d floats apart (4 KB for cpu-demo)
+ * and scattered over blocks, so the hardware's stream prefetch does not find them, and
+ * the reads wait on memory one by one. */
+#ifndef TOKENS_AHEAD
+#define TOKENS_AHEAD 4
+#endif
+
+static inline void prefetch_row(const float *row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
+}
+
 /* One query head of row r against its sequence's cached tokens: softmax(scale . q . k_j)
  * . v_j over j < length, into outt's column r (transposed [heads * d][m]). */
 static void attend_head(const float *q, const float *k_rows, const float *v_rows,
@@ -107,6 +119,7 @@ static void attend_head(const float *q, const float *k_rows, const float *v_rows
                         int64_t d, float *scores, float *acc, float *outt, int64_t m) {
   float top = -INFINITY;
   for (int64_t j = 0; j < length; j++) {
+    if (j + TOKENS_AHEAD < length) prefetch_row(k_rows + slots[j + TOKENS_AHEAD] * ld_slot, d);
     const float *kj = k_rows + slots[j] * ld_slot;
     vec_t sum = {0};
     int64_t i = 0;
@@ -120,10 +133,13 @@ static void attend_head(const float *q, const float *k_rows, const float *v_rows
   float total = 0;
   for (int64_t i = 0; i < d; i++) acc[i] = 0;
   for (int64_t j = 0; j < length; j++) {
+    if (j + TOKENS_AHEAD < length) prefetch_row(v_rows + slots[j + TOKENS_AHEAD] * ld_slot, d);
     float p = expf(scores[j] - top);
     total += p;
     const float *vj = v_rows + slots[j] * ld_slot;
-    for (int64_t i = 0; i < d; i++) acc[i] += p * vj[i];
+    int64_t i = 0;
+    for (; i + VEC <= d; i += VEC) store(acc + i, load(acc + i) + p * load(vj + i));
+    for (; i < d; i++) acc[i] += p * vj[i];
   }
   for (int64_t i = 0; i < d; i++) outt[i * m] = acc[i] / total;
 }
