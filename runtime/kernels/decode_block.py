@@ -99,14 +99,15 @@ class DecodeBlockLibrary:
         """The attention half (``decode_attention`` in the C file): x [m, h] += parts (in
         place), and the heads' output times W_o [m, h]. ``norm``: (weight, eps);
         ``heads``: (query heads, KV heads, head_dim) of this rank; ``rope``: (cos, sin
-        [m, d] contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
+        [m, d] or [m, 1, d], contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
         [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
         ``o``: projections whose shapes the caller has checked."""
         _check_rows(x, parts)
         (m, h), (n_heads, kv_heads, d) = x.shape, heads
         cos, sin, half = rope
         k_rows, v_rows, new_slots, slots, lengths = cache
-        if cos.shape != (m, d) or not (cos.is_contiguous() and sin.is_contiguous()):
+        tables = cos.numel() == sin.numel() == m * d and cos.is_contiguous() and sin.is_contiguous()
+        if not tables:
             raise ValueError(f"decode block: RoPE tables {tuple(cos.shape)}, want {(m, d)}")
         want = (k_rows.shape[0], kv_heads, d)
         fits = all(t.shape == want and t.is_contiguous() for t in (k_rows, v_rows))

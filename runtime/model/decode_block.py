@@ -141,12 +141,12 @@ class DecodeBlock:
         cache: DenseDecodeCache,
     ) -> torch.Tensor:
         """x += summands (in place); the attention half's output [m, h] (unreduced)."""
-        cos, sin = (t.reshape(t.shape[0], -1) for t in rope_tables)
+        cos, sin = rope_tables  # [m, 1, d] each, contiguous
         operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
         qkv, o, _, _ = self.projections
         return self.library.attention(
-            x, summands, (self.input_norm, self.eps), qkv, self.heads,
-            (cos.contiguous(), sin.contiguous(), self.half), operands, cache.scale, o,
+            x, summands, (self.input_norm, self.eps), qkv, self.heads, (cos, sin, self.half),
+            operands, cache.scale, o,
         )  # fmt: skip
 
     def mlp(self, x: torch.Tensor, summands: list[torch.Tensor]) -> torch.Tensor:
