@@ -82,10 +82,11 @@ class DecoderLayer(nn.Module):
 
     def decode_block_matrices(self) -> list[torch.Tensor]:
         """The matrices to hold as panels alone, where the native decode block covers
-        this layer on this rank's path (``runtime.model.decode_block.covers``)."""
+        this layer on this rank's path (``runtime.model.decode_block.covers``) and its
+        cache is dense (the block attends over K and V rows)."""
         weights = {name: self.w(name) for name in self.names}
         allowed = self.decode_block_allowed() and self.s.execution.fuses_residual_adds
-        if not (allowed and covers(self.s.model, weights)):
+        if self.s.latent_cache or not (allowed and covers(self.s.model, weights)):
             return []
         return [weights[name] for name in matrices_of(weights)]
 
@@ -96,16 +97,15 @@ class DecoderLayer(nn.Module):
             self.decode_block = DecodeBlock.of(self.s.model, weights)
 
     def decode_natively(
-        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``forward_fused`` through the native decode block, where the layer has one and
         the batch is a decode step that offers this layer's dense cache; else None."""
         cache = None if batch.dense_cache is None else batch.dense_cache(self.index)
         if self.decode_block is None or cache is None or batch.rope_tables is None:
             return None
-        summands = [] if pending is None else self.s.comm.summands(pending)
-        o = self.decode_block.attention(x, summands, batch.rope_tables, cache)
-        return x, self.decode_block.mlp(x, self.s.comm.summands(o))
+        o = self.decode_block.attention(x, summands or [], batch.rope_tables, cache)
+        return x, self.decode_block.mlp(x, self.summands_of(o))
 
     # Column projections that read the same input, multiplied as one GEMM once
     # ``fuse_dense_groups`` has concatenated their weights (the eager backend does: at 16
@@ -201,20 +201,27 @@ class DecoderLayer(nn.Module):
         return False
 
     def forward_fused(
-        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` with the residual adds fused into the norms after them: x plus
-        the previous layer's ``pending`` (its last product, not yet all-reduced; None
+        the previous layer's ``summands`` (its ``summands_of`` its pending product; None
         before the first layer), in place, and this layer's own pending product."""
         raise NotImplementedError(type(self).__name__)
 
-    def add_norm(self, x: torch.Tensor, pending: torch.Tensor | None, which: str) -> torch.Tensor:
-        """x += the all-reduce of ``pending`` (in place), and the norm ``which`` of it."""
-        if pending is None:
+    def summands_of(self, pending: torch.Tensor) -> list[torch.Tensor]:
+        """What the next norm adds for this layer's pending product: its all-reduce's
+        summands (a Megatron row product is partial on each rank)."""
+        return self.s.comm.summands(pending)
+
+    def add_norm(
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, which: str
+    ) -> torch.Tensor:
+        """x += summands (in place), and the norm ``which`` of it."""
+        if summands is None:
             return self.norm(x, which)
         return eager.add_and_normalize(
             x,
-            self.s.comm.summands(pending),
+            summands,
             self.w(f"{which}.weight"),
             self.w(f"{which}.bias"),
             norm=self.s.model.norm.kind,
@@ -252,15 +259,18 @@ class DeinferLayer(DecoderLayer):
                 return False
         return self.s.comm.world == 1
 
+    def summands_of(self, pending: torch.Tensor) -> list[torch.Tensor]:
+        """On one rank a block's output is whole (its row group reduced the latent)."""
+        return [pending]
+
     def forward_fused(
-        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """On one rank: ``pending`` is the previous layer's whole MLP output."""
-        native = self.decode_natively(x, pending, batch)
+        native = self.decode_natively(x, summands, batch)
         if native is not None:
             return native
-        if pending is not None:
-            eager.add_summands(x, [pending])
+        if summands is not None:
+            eager.add_summands(x, summands)
         x.add_(self.attention_block(x, batch))
         return x, self.mlp_block(x, batch)
 

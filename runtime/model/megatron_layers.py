@@ -86,12 +86,12 @@ class DenseLayer(DecoderLayer):
         return self.s.execution.fuses_residual_adds and not biased
 
     def forward_fused(
-        self, x: torch.Tensor, pending: torch.Tensor | None, batch: Batch
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        native = self.decode_natively(x, pending, batch)
+        native = self.decode_natively(x, summands, batch)
         if native is not None:
             return native
-        attended = self.attention_heads(self.add_norm(x, pending, "input_norm"), batch)
+        attended = self.attention_heads(self.add_norm(x, summands, "input_norm"), batch)
         o = self.gemm(attended, self.w("o.weight"), batch.n_valid)
-        h = self.mlp_hidden(self.add_norm(x, o, "post_norm"), batch)
+        h = self.mlp_hidden(self.add_norm(x, self.summands_of(o), "post_norm"), batch)
         return x, self.gemm(h, self.w(f"{self.mlp_row()}.weight"), batch.n_valid)

@@ -120,7 +120,8 @@ class TPModel(nn.Module):
             for layer in self.layers:
                 x = layer.forward(x, batch)
             return x
-        pending = None  # each layer's last product, all-reduced by the next's first norm
+        summands = None  # each layer's last product, as the next's first norm adds it
         for layer in self.layers:
-            x, pending = layer.forward_fused(x, pending, batch)
-        return eager.add_summands(x, self.comm.summands(pending))
+            x, pending = layer.forward_fused(x, summands, batch)
+            summands = layer.summands_of(pending)
+        return eager.add_summands(x, summands)
