@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import eager
-from runtime.kernels.decode_block import Projection, decode_block_library
+from runtime.kernels.decode_block import Projection, cached_attention, decode_block_library
 from runtime.kernels.panel import panel_library
 
 pytestmark = pytest.mark.skipif(
@@ -178,3 +178,43 @@ def test_operands_it_would_misread_are_refused():
         lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), gate_up, 2, down)
     with pytest.raises(ValueError, match="contiguous fp32"):
         lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), gate_up, 2, down)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    half_dim=st.sampled_from([1, 3, 8, 32]),
+    extra=st.integers(0, 5),
+    seed=st.integers(0, 10_000),
+)
+def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_dim, extra, seed):
+    """The attention alone (layers that make their own projections): k and v rows at any
+    stride (v a column slice of a wider product) written, then attended over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    d, heads = 2 * half_dim, kv_heads * group
+    q = torch.randn(m, heads, d, generator=gen)
+    k = torch.randn(m, kv_heads, d, generator=gen)
+    wide = torch.randn(m, kv_heads * d + extra, generator=gen)
+    v = wide[:, extra:].reshape(m, kv_heads, d)  # rows kv_heads * d + extra apart
+    lengths = torch.randint(1, 25, (m,), generator=gen)
+    longest, cache_slots = int(lengths.max()), int(lengths.sum()) + 2
+    order = torch.randperm(cache_slots, generator=gen)
+    slots, used = torch.zeros(m, longest, dtype=torch.long), 0
+    for r, n in enumerate(lengths.tolist()):
+        slots[r, :n] = order[used : used + n]
+        used += n
+    new_slots = slots[torch.arange(m), lengths - 1].clone()
+    k_rows = torch.randn(cache_slots, kv_heads, d, generator=gen)
+    v_rows = torch.randn(cache_slots, kv_heads, d, generator=gen)
+    k_want, v_want = k_rows.clone(), v_rows.clone()
+    k_want[new_slots], v_want[new_slots] = k, v
+    valid = torch.arange(longest)[None] < lengths[:, None]
+    want = eager.grouped_attention(q, k_want[slots], v_want[slots], valid, d**-0.5)
+    operands = (k_rows, v_rows, new_slots, slots, lengths.long())
+    got = cached_attention(decode_block_library(), q, k, v, operands, d**-0.5)
+    assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
+    assert torch.allclose(got, want, **TOL)
+    # operands it does not take: the caller keeps to torch's ops
+    assert cached_attention(decode_block_library(), q.double(), k, v, operands, 1.0) is None

@@ -20,6 +20,7 @@ from runtime.model.eager_attention import (
     cache_context,
     causal_attention,
     decode_dense,
+    decode_dense_native,
     decode_latent,
     gather,
 )
@@ -99,13 +100,6 @@ class CacheAttention:
         )
         ctx = self._context([s.block_table for s in seqs], [s.length for s in seqs])
 
-        def attention(index, q, k, v, latent):
-            cache = self.caches[index]
-            cache.write(slots, k, v, latent)
-            if cache.kind == "dense":
-                return decode_dense(q, cache, ctx, self.scale)
-            return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
-
         checked: list[bool] = []  # the slots' range, checked on first use
 
         def dense_cache(index: int) -> DenseDecodeCache | None:
@@ -118,5 +112,17 @@ class CacheAttention:
             return DenseDecodeCache(
                 cache.k_rows, cache.v_rows, slots, ctx.slots, ctx.lengths, self.scale
             )
+
+        def attention(index, q, k, v, latent):
+            cache = self.caches[index]
+            dense = dense_cache(index)
+            if dense is not None:  # written and attended in one native pass where it takes them
+                out = decode_dense_native(q, k, v, dense)
+                if out is not None:
+                    return out
+            cache.write(slots, k, v, latent)
+            if cache.kind == "dense":
+                return decode_dense(q, cache, ctx, self.scale)
+            return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
 
         return attention, dense_cache

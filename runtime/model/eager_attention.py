@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels.decode_block import cached_attention, decode_block_library
 from runtime.kernels.eager import (
     grouped_attention,
     matmul,
@@ -26,7 +27,7 @@ from runtime.kernels.eager import (
 from runtime.model.key_angles import KeyAngles
 from runtime.model.latent_basis import copies_usable
 from runtime.model.native_key_scores import NativeKeyScores, native_key_scores
-from runtime.model.paged_cache import LayerCache
+from runtime.model.paged_cache import DenseDecodeCache, LayerCache
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,21 @@ def decode_dense(
     k = cache.k_rows.index_select(0, ctx.flat_slots).view(shape)
     v = cache.v_rows.index_select(0, ctx.flat_slots).view(shape)
     return grouped_attention(q, k, v, ctx.attn_mask, scale)
+
+
+def decode_dense_native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: DenseDecodeCache
+) -> torch.Tensor | None:
+    """``LayerCache.write`` of k and v and ``decode_dense`` in one native pass over the
+    cache rows in place (``runtime.kernels.decode_block.cached_attention``), or None
+    where the library did not build or does not take the operands: the layers that
+    make their own projections (base mode, deinfer's across ranks) skip a gathered copy
+    of every sequence's K and V and the ops around SDPA."""
+    library = decode_block_library()
+    if library is None:
+        return None
+    operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
+    return cached_attention(library, q, k, v, operands, cache.scale)
 
 
 def decode_latent(

@@ -234,3 +234,41 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
   free(xt);
   return 0;
 }
+
+/* A decode step's attention over a dense cache alone, for layers that make their own
+ * projections around it: row r's k and v ([kv_heads][d] at k + r * ldk, v + r * ldv,
+ * RoPE already applied to k) written to slot new_slots[r], then each query head of q
+ * (q + r * ldq, rotated) against its KV head's cached rows, as in decode_attention;
+ * out [m][heads * d]. Returns 0, or -1 without scratch memory. */
+int decode_cached_attention(const float *q, int64_t ldq, const float *k, int64_t ldk,
+                            const float *v, int64_t ldv, int64_t m, int64_t heads,
+                            int64_t kv_heads, int64_t d, float *k_rows, float *v_rows,
+                            const int64_t *new_slots, const int64_t *slots, int64_t ld_slots,
+                            const int64_t *lengths, float scale, float *out) {
+  int64_t longest = 0, group = heads / kv_heads, ld_slot = kv_heads * d;
+  for (int64_t r = 0; r < m; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+  int failed = 0;
+#pragma omp parallel if (m * kv_heads > 1)
+  {
+    float *own = malloc(sizeof(float) * (size_t)(longest + d));
+    if (!own) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (!failed) {
+#pragma omp for schedule(static)
+      for (int64_t unit = 0; unit < m * kv_heads; unit++) {
+        int64_t r = unit / kv_heads, g = unit % kv_heads, slot = new_slots[r] * ld_slot + g * d;
+        memcpy(k_rows + slot, k + r * ldk + g * d, sizeof(float) * (size_t)d);
+        memcpy(v_rows + slot, v + r * ldv + g * d, sizeof(float) * (size_t)d);
+        for (int64_t head = g * group; head < (g + 1) * group; head++)
+          attend_head(q + r * ldq + head * d, k_rows + g * d, v_rows + g * d,
+                      slots + r * ld_slots, lengths[r], ld_slot, scale, d, own, own + longest,
+                      out + r * heads * d + head * d, 1);
+      }
+    }
+    free(own);
+  }
+  return failed ? -1 : 0;
+}
