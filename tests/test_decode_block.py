@@ -48,9 +48,9 @@ def _projection(
     """A projection from k inputs to the columns ``widths`` (side by side): dense
     (``ranks`` None), or each member low-rank with its down factors concatenated."""
     if ranks is None:
-        w = torch.randn(k, sum(widths), generator=gen)
+        w = torch.randn(k, sum(widths), generator=gen) / k**0.5  # outputs of order 1, as in a model
         return Projection(_panels(w), w.shape[1]), _Reference(w)
-    downs = [torch.randn(k, r, generator=gen) for r in ranks]
+    downs = [torch.randn(k, r, generator=gen) / k**0.5 for r in ranks]
     ups = [torch.randn(r, n, generator=gen) / r**0.5 for r, n in zip(ranks, widths, strict=True)]
     cat = torch.cat(downs, dim=1)
     members = tuple((_panels(u), r, n) for u, r, n in zip(ups, ranks, widths, strict=True))
