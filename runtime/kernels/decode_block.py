@@ -1,8 +1,10 @@
-"""The native decode block (``native/decode_block.c``): a dense layer's decode step as two
+"""The native decode block (``native/decode_block.c``): a layer's decode step as two
 calls, the attention half and the MLP half, each one parallel region over panel-packed
-weights (``panel``), built once per machine (``native_build``). The layers use it through
-``runtime.model.decode_block``; where it did not build they run their ops one by one.
-"""
+weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
+machine (``native_build``); and the dense cache's write and attention alone
+(``cached_attention``) for layers that make their own projections. The layers use it
+through ``runtime.model.decode_block``; where it did not build they run their ops one by
+one."""
 
 from __future__ import annotations
 
@@ -194,51 +196,23 @@ def build_library(
     return _configured(native_build.compile_and_load(compiler, SOURCE, target, flags))
 
 
+# Each entry point's arguments, one letter each: p a pointer, i an int64, f a float. The
+# two halves start alike: x, m, h, the summands' pointers, their strides and count, the
+# norm's weight and eps.
+_HALF = "piipp" + "ipf"
+_SIGNATURES = {
+    "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
+    "decode_mlp": _HALF + "pipp",
+    "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
+}
+_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
+
+
 def _configured(lib: ctypes.CDLL) -> DecodeBlockLibrary:
-    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    rows = [ptr, i64, i64, ptr, ptr, i64, ptr, f32]  # x, m, h, parts, strides, count, norm
-    lib.decode_attention.argtypes = [
-        *rows,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        f32,
-        ptr,
-        ptr,
-    ]
-    lib.decode_mlp.argtypes = [*rows, ptr, i64, ptr, ptr]
-    lib.decode_cached_attention.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        f32,
-        ptr,
-    ]
-    lib.decode_cached_attention.restype = ctypes.c_int
-    lib.decode_attention.restype = lib.decode_mlp.restype = ctypes.c_int
+    for name, letters in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = [_TYPES[c] for c in letters]
+        function.restype = ctypes.c_int
     return DecodeBlockLibrary(lib)
 
 
