@@ -62,13 +62,21 @@ def hf_throughput(model, prompts: list[list[int]], output_len: int) -> dict[str,
             streamer=clock,
             pad_token_id=0,
         )
-    elapsed = time.perf_counter() - start
+    return throughput_figures(prompts, output_len, time.perf_counter() - start, clock.times)
+
+
+def throughput_figures(
+    prompts: list[list[int]], output_len: int, elapsed: float, token_times: list[float]
+) -> dict[str, Any]:
+    """A greedy run's figures, as the engine's runs report them: ``elapsed`` seconds for
+    every prompt's ``output_len`` tokens (equal prompt lengths), ``token_times`` when each
+    decode step's tokens were out (the first: the prompts')."""
     batch, out_tokens = len(prompts), len(prompts) * output_len
-    decode_time = clock.times[-1] - clock.times[0]
+    decode_time = token_times[-1] - token_times[0]
     return {
         "seconds": elapsed,
         "requests_per_s": batch / elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (out_tokens + batch * ids.shape[1]) / elapsed,
+        "total_tokens_per_s": (out_tokens + batch * len(prompts[0])) / elapsed,
         "decode_tokens_per_s": batch * (output_len - 1) / decode_time if decode_time else 0.0,
     }

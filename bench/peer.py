@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.baseline import throughput_figures
 from dsl.errors import UserError
 from dsl.spec import Spec
 
@@ -214,16 +215,7 @@ class LlamaCpp:
         """``generate``'s figures, as ``baseline.hf_throughput`` reports them."""
         start = time.perf_counter()
         _, times = self.generate(prompts, output_len)
-        elapsed = time.perf_counter() - start
-        batch, out_tokens = len(prompts), len(prompts) * output_len
-        decode_time = times[-1] - times[0]
-        return {
-            "seconds": elapsed,
-            "requests_per_s": batch / elapsed,
-            "output_tokens_per_s": out_tokens / elapsed,
-            "total_tokens_per_s": (out_tokens + batch * len(prompts[0])) / elapsed,
-            "decode_tokens_per_s": batch * (output_len - 1) / decode_time if decode_time else 0.0,
-        }
+        return throughput_figures(prompts, output_len, time.perf_counter() - start, times)
 
     def close(self) -> None:
         if self.ctx:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.variants import EXTERNAL_MODES
+
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
@@ -107,7 +109,7 @@ def _against_tp1(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     """Scaling: the row's decode rate over the same configuration's at tp 1 with the
     bench's thread count (tp 1 rows with their own thread count, ``tp1_threads``, are
     the same cores used by threads instead of ranks)."""
-    if var["mode"] in ("hf", "llama.cpp") or (var["tp"] == 1 and var.get("threads") is None):
+    if var["mode"] in EXTERNAL_MODES or (var["tp"] == 1 and var.get("threads") is None):
         return
     one = rates.get(_key(var, tp=1, threads=None, alone=False))
     if not one:

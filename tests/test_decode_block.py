@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import eager
-from runtime.kernels.decode_block import Projection, cached_attention, decode_block_library
+from runtime.kernels.decode_block import Projection, decode_block_library
 from runtime.kernels.panel import panel_library
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +56,20 @@ def _projection(
     members = tuple((_panels(u), r, n) for u, r, n in zip(ups, ranks, widths, strict=True))
     reference = _Reference(None, list(zip(downs, ups, strict=True)))
     return Projection(_panels(cat), cat.shape[1], members), reference
+
+
+def _cache_slots(gen: torch.Generator, m: int) -> tuple[torch.Tensor, ...]:
+    """A decode step's cache operands for m sequences of 1-29 tokens, each token its own
+    slot of the cache (spread at random, a few spare): lengths [m], slots [m, longest]
+    (0 past a length), each row's new slot (its last token's), the cache's slot count."""
+    lengths = torch.randint(1, 30, (m,), generator=gen)
+    cache_slots = int(lengths.sum()) + 3
+    order = torch.randperm(cache_slots, generator=gen)
+    slots, used = torch.zeros(m, int(lengths.max()), dtype=torch.long), 0
+    for r, n in enumerate(lengths.tolist()):
+        slots[r, :n] = order[used : used + n]
+        used += n
+    return lengths, slots, slots[torch.arange(m), lengths - 1].clone(), cache_slots
 
 
 # a projection's members' ranks: None (dense), or odd, 1, past the vector width
@@ -101,15 +115,8 @@ def test_attention_half_equals_torch(
     norm_w = rand(hidden)
     qkv_proj, w_qkv = _projection(gen, hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_ranks)
     o_proj, w_o = _projection(gen, heads * d, [hidden], o_ranks and o_ranks[:1])
-    lengths = torch.randint(1, 30, (m,), generator=gen)
-    longest, cache_slots = int(lengths.max()), int(lengths.sum()) + 3
-    order = torch.randperm(cache_slots, generator=gen)  # each token its own slot
-    slots = torch.zeros(m, longest, dtype=torch.long)
-    used = 0
-    for r, n in enumerate(lengths.tolist()):
-        slots[r, :n] = order[used : used + n]
-        used += n
-    new_slots = slots[torch.arange(m), lengths - 1].clone()
+    lengths, slots, new_slots, cache_slots = _cache_slots(gen, m)
+    longest = slots.shape[1]
     k_rows, v_rows = rand(cache_slots, kv_heads, d), rand(cache_slots, kv_heads, d)
     positions = lengths - 1
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
@@ -198,14 +205,8 @@ def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_d
     k = torch.randn(m, kv_heads, d, generator=gen)
     wide = torch.randn(m, kv_heads * d + extra, generator=gen)
     v = wide[:, extra:].reshape(m, kv_heads, d)  # rows kv_heads * d + extra apart
-    lengths = torch.randint(1, 25, (m,), generator=gen)
-    longest, cache_slots = int(lengths.max()), int(lengths.sum()) + 2
-    order = torch.randperm(cache_slots, generator=gen)
-    slots, used = torch.zeros(m, longest, dtype=torch.long), 0
-    for r, n in enumerate(lengths.tolist()):
-        slots[r, :n] = order[used : used + n]
-        used += n
-    new_slots = slots[torch.arange(m), lengths - 1].clone()
+    lengths, slots, new_slots, cache_slots = _cache_slots(gen, m)
+    longest = slots.shape[1]
     k_rows = torch.randn(cache_slots, kv_heads, d, generator=gen)
     v_rows = torch.randn(cache_slots, kv_heads, d, generator=gen)
     k_want, v_want = k_rows.clone(), v_rows.clone()
@@ -213,8 +214,8 @@ def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_d
     valid = torch.arange(longest)[None] < lengths[:, None]
     want = eager.grouped_attention(q, k_want[slots], v_want[slots], valid, d**-0.5)
     operands = (k_rows, v_rows, new_slots, slots, lengths.long())
-    got = cached_attention(decode_block_library(), q, k, v, operands, d**-0.5)
+    got = decode_block_library().cached_attention(q, k, v, operands, d**-0.5)
     assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
     assert torch.allclose(got, want, **TOL)
     # operands it does not take: the caller keeps to torch's ops
-    assert cached_attention(decode_block_library(), q.double(), k, v, operands, 1.0) is None
+    assert decode_block_library().cached_attention(q.double(), k, v, operands, 1.0) is None

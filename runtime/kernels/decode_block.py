@@ -2,7 +2,8 @@
 calls, the attention half and the MLP half, each one parallel region over panel-packed
 weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
 machine (``native_build``); and the dense cache's write and attention alone
-(``cached_attention``) for layers that make their own projections. The layers use it
+(``DecodeBlockLibrary.cached_attention``) for layers that make their own projections.
+The layers use it
 through ``runtime.model.decode_block``; where it did not build they run their ops one by
 one."""
 
@@ -155,38 +156,37 @@ class DecodeBlockLibrary:
             raise MemoryError(f"decode block: no scratch for {m} rows")
         return out
 
-
-def cached_attention(
-    lib: DecodeBlockLibrary,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: tuple[torch.Tensor, ...],
-    scale: float,
-) -> torch.Tensor | None:
-    """``decode_cached_attention``: q [m, heads, d], k and v [m, KV, d] (k rotated; each
-    head's vectors contiguous, rows any stride) written to the cache and attended; the
-    output [m, heads, d]. ``cache`` as in ``attention``. None for operands it does not
-    take (not fp32 on the CPU, vectors not contiguous)."""
-    k_rows, v_rows, new_slots, slots, lengths = cache
-    m, heads, d = q.shape
-    kv_heads = k.shape[1]
-    operands = (q, k, v, k_rows, v_rows)
-    fp32 = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in operands)
-    unit = all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
-    want = (k_rows.shape[0], kv_heads, d)
-    fits = all(t.shape == want and t.is_contiguous() for t in (k_rows, v_rows))
-    if not (fp32 and unit and fits and k.shape == v.shape == (m, kv_heads, d)):
-        return None
-    out = torch.empty(m, heads, d)
-    failed = lib.lib.decode_cached_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), m,
-        heads, kv_heads, d, k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(),
-        slots.data_ptr(), slots.shape[1], lengths.data_ptr(), scale, out.data_ptr(),
-    )  # fmt: skip
-    if failed:
-        raise MemoryError(f"decode attention: no scratch for {m} rows")
-    return out
+    def cached_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, ...],
+        scale: float,
+    ) -> torch.Tensor | None:
+        """``decode_cached_attention``: q [m, heads, d], k and v [m, KV, d] (k rotated; each
+        head's vectors contiguous, rows any stride) written to the cache and attended; the
+        output [m, heads, d]. ``cache`` as in ``attention``. None for operands it does not
+        take (not fp32 on the CPU, vectors not contiguous)."""
+        k_rows, v_rows, new_slots, slots, lengths = cache
+        m, heads, d = q.shape
+        kv_heads = k.shape[1]
+        operands = (q, k, v, k_rows, v_rows)
+        fp32 = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in operands)
+        unit = all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
+        want = (k_rows.shape[0], kv_heads, d)
+        fits = all(t.shape == want and t.is_contiguous() for t in (k_rows, v_rows))
+        if not (fp32 and unit and fits and k.shape == v.shape == (m, kv_heads, d)):
+            return None
+        out = torch.empty(m, heads, d)
+        failed = self.lib.decode_cached_attention(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), m,
+            heads, kv_heads, d, k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(),
+            slots.data_ptr(), slots.shape[1], lengths.data_ptr(), scale, out.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"decode attention: no scratch for {m} rows")
+        return out
 
 
 def build_library(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.decode_block import cached_attention, decode_block_library
+from runtime.kernels.decode_block import decode_block_library
 from runtime.kernels.eager import (
     grouped_attention,
     matmul,
@@ -283,7 +283,7 @@ def decode_dense_native(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: DenseDecodeCache
 ) -> torch.Tensor | None:
     """``LayerCache.write`` of k and v and ``decode_dense`` in one native pass over the
-    cache rows in place (``runtime.kernels.decode_block.cached_attention``), or None
+    cache rows in place (``DecodeBlockLibrary.cached_attention``), or None
     where the library did not build or does not take the operands: the layers that
     make their own projections (base mode, deinfer's across ranks) skip a gathered copy
     of every sequence's K and V and the ops around SDPA."""
@@ -291,7 +291,7 @@ def decode_dense_native(
     if library is None:
         return None
     operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
-    return cached_attention(library, q, k, v, operands, cache.scale)
+    return library.cached_attention(q, k, v, operands, cache.scale)
 
 
 def decode_latent(

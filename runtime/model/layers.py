@@ -101,8 +101,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``forward_fused`` through the native decode block, where the layer has one and
         the batch is a decode step that offers this layer's dense cache; else None."""
-        cache = None if batch.dense_cache is None else batch.dense_cache(self.index)
-        if self.decode_block is None or cache is None or batch.rope_tables is None:
+        if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
+            return None
+        cache = batch.dense_cache(self.index)
+        if cache is None:
             return None
         o = self.decode_block.attention(x, summands or [], batch.rope_tables, cache)
         return x, self.decode_block.mlp(x, self.summands_of(o))
@@ -205,7 +207,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` with the residual adds fused into the norms after them: x plus
         the previous layer's ``summands`` (its ``summands_of`` its pending product; None
-        before the first layer), in place, and this layer's own pending product."""
+        before the first layer), in place, and this layer's own pending product (op by
+        op; ``decode_natively`` is the same through the native block)."""
         raise NotImplementedError(type(self).__name__)
 
     def summands_of(self, pending: torch.Tensor) -> list[torch.Tensor]:
@@ -266,9 +269,6 @@ class DeinferLayer(DecoderLayer):
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        native = self.decode_natively(x, summands, batch)
-        if native is not None:
-            return native
         if summands is not None:
             eager.add_summands(x, summands)
         x.add_(self.attention_block(x, batch))

@@ -88,9 +88,6 @@ class DenseLayer(DecoderLayer):
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        native = self.decode_natively(x, summands, batch)
-        if native is not None:
-            return native
         attended = self.attention_heads(self.add_norm(x, summands, "input_norm"), batch)
         o = self.gemm(attended, self.w("o.weight"), batch.n_valid)
         h = self.mlp_hidden(self.add_norm(x, self.summands_of(o), "post_norm"), batch)

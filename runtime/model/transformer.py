@@ -122,6 +122,7 @@ class TPModel(nn.Module):
             return x
         summands = None  # each layer's last product, as the next's first norm adds it
         for layer in self.layers:
-            x, pending = layer.forward_fused(x, summands, batch)
+            native = layer.decode_natively(x, summands, batch)
+            x, pending = native or layer.forward_fused(x, summands, batch)
             summands = layer.summands_of(pending)
         return eager.add_summands(x, summands)
