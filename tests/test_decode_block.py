@@ -1,7 +1,8 @@
 """The native decode block (``runtime/kernels/native/decode_block.c``) against plain torch:
 each half-block's residual update, cache writes and output over hypothesis-drawn shapes
 (rows past the kernel's 16-row pass, head sizes off the vector width, GQA groups, RoPE
-styles, all-reduce summands, each projection dense or low-rank with odd ranks), fp32
+styles, all-reduce summands, each projection dense or low-rank with odd ranks, each half
+whole or cut where the ranks gather a low-rank group's latent), fp32
 only (the kernel's one dtype): the residual bit-exact (same sums in the same order), the
 outputs within 1e-4 (the products' and the softmax's sums run in another order)."""
 
@@ -58,6 +59,17 @@ def _projection(
     return Projection(_panels(cat), cat.shape[1], members), reference
 
 
+def _cut(
+    gen: torch.Generator, k: int, widths: list[int], ranks: list[int]
+) -> tuple[Projection, Projection, _Reference]:
+    """A low-rank projection cut where the ranks all-gather its latent: the down factors
+    side by side as one dense projection, and the up factors alone (input: the latent)."""
+    whole, reference = _projection(gen, k, widths, ranks)
+    cat = torch.cat([d for d, _ in reference.factors], dim=1)
+    down = Projection(_panels(cat), cat.shape[1])
+    return down, Projection(None, 0, whole.ups), reference
+
+
 def _cache_slots(gen: torch.Generator, m: int) -> tuple[torch.Tensor, ...]:
     """A decode step's cache operands for m sequences of 1-29 tokens, each token its own
     slot of the cache (spread at random, a few spare): lengths [m], slots [m, longest]
@@ -100,12 +112,17 @@ def _residual(x: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     style=st.sampled_from(["neox", "gptj"]),
     qkv_ranks=RANKS,
     o_ranks=RANKS,
+    cut=st.integers(0, 3),
     seed=st.integers(0, 10_000),
 )
 def test_attention_half_equals_torch(
-    m, kv_heads, group, half_dim, hidden, parts, style, qkv_ranks, o_ranks, seed
+    m, kv_heads, group, half_dim, hidden, parts, style, qkv_ranks, o_ranks, cut, seed
 ):
+    """``cut`` > 0 with low-rank q|k|v: the half as across ranks, in two calls (norm and
+    down factors; then from the latent, ``cut`` - 1 padding columns after it, to o's
+    down factor of width ``hidden`` + ``cut``)."""
     gen = torch.Generator().manual_seed(seed)
+    cut = cut if qkv_ranks is not None else 0
     d, heads = 2 * half_dim, kv_heads * group
 
     def rand(*shape):
@@ -113,8 +130,13 @@ def test_attention_half_equals_torch(
 
     x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
     norm_w = rand(hidden)
-    qkv_proj, w_qkv = _projection(gen, hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_ranks)
-    o_proj, w_o = _projection(gen, heads * d, [hidden], o_ranks and o_ranks[:1])
+    qkv_widths = [heads * d, kv_heads * d, kv_heads * d]
+    if cut:
+        qkv_down, qkv_proj, w_qkv = _cut(gen, hidden, qkv_widths, qkv_ranks)
+        o_proj, w_o = _projection(gen, heads * d, [hidden + cut], None)
+    else:
+        qkv_proj, w_qkv = _projection(gen, hidden, qkv_widths, qkv_ranks)
+        o_proj, w_o = _projection(gen, heads * d, [hidden], o_ranks and o_ranks[:1])
     lengths, slots, new_slots, cache_slots = _cache_slots(gen, m)
     longest = slots.shape[1]
     k_rows, v_rows = rand(cache_slots, kv_heads, d), rand(cache_slots, kv_heads, d)
@@ -136,8 +158,12 @@ def test_attention_half_equals_torch(
     attended = eager.grouped_attention(q, k_want[slots], v_want[slots], valid, scale)
     out_want = attended.reshape(m, heads * d) @ w_o
 
-    out = decode_block_library().attention(
-        x, summands, (norm_w, eps), qkv_proj, (heads, kv_heads, d),
+    lib, source, norm = decode_block_library(), x, (norm_w, eps)
+    if cut:
+        latent = lib.norm_project(x, summands, norm, qkv_down)
+        source, summands, norm = torch.cat([latent, rand(m, cut - 1)], dim=1), [], None
+    out = lib.attention(
+        source, summands, norm, qkv_proj, (heads, kv_heads, d),
         (cos.contiguous(), sin.contiguous(), half_dim if style == "neox" else 0),
         (k_rows, v_rows, new_slots, slots, lengths.long()), scale, o_proj,
     )  # fmt: skip
@@ -154,24 +180,35 @@ def test_attention_half_equals_torch(
     parts=st.integers(0, 3),
     gate_up_ranks=RANKS,
     down_ranks=RANKS,
+    cut=st.integers(0, 3),
     seed=st.integers(0, 10_000),
 )
-def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_ranks, seed):
+def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_ranks, cut, seed):
+    """``cut`` as in the attention half's test."""
     gen = torch.Generator().manual_seed(seed)
+    cut = cut if gate_up_ranks is not None else 0
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
     x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
     norm_w = rand(hidden)
-    gate_up_proj, w_gate_up = _projection(
-        gen, hidden, [inter, inter], gate_up_ranks and gate_up_ranks[:2]
-    )
-    down_proj, w_down = _projection(gen, inter, [hidden], down_ranks and down_ranks[:1])
+    if cut:
+        gate_up_down, gate_up_proj, w_gate_up = _cut(gen, hidden, [inter, inter], gate_up_ranks[:2])
+        down_proj, w_down = _projection(gen, inter, [hidden + cut], None)
+    else:
+        gate_up_proj, w_gate_up = _projection(
+            gen, hidden, [inter, inter], gate_up_ranks and gate_up_ranks[:2]
+        )
+        down_proj, w_down = _projection(gen, inter, [hidden], down_ranks and down_ranks[:1])
     x_want = _residual(x, summands)
     gate, up = (_rms(x_want, norm_w, 1e-6) @ w_gate_up).split(inter, dim=1)
     out_want = (F.silu(gate) * up) @ w_down
-    out = decode_block_library().mlp(x, summands, (norm_w, 1e-6), gate_up_proj, inter, down_proj)
+    lib, source, norm = decode_block_library(), x, (norm_w, 1e-6)
+    if cut:
+        latent = lib.norm_project(x, summands, norm, gate_up_down)
+        source, summands, norm = torch.cat([latent, rand(m, cut - 1)], dim=1), [], None
+    out = lib.mlp(source, summands, norm, gate_up_proj, inter, down_proj)
     assert torch.equal(x, x_want)
     assert torch.allclose(out, out_want, **TOL)
 

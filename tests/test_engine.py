@@ -95,10 +95,9 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         want_copies = {i: (4 // tp, 16 // tp) for i in range(2)} if kv == "latent" else {}
         assert llm.workers.call("latent_key_copies") == [want_copies] * tp
         # on the CPU path, layers with a dense cache decode through the native block
-        # (panels, one call per half-block): dense ones (dense mode, deinfer's all
-        # merged) at any tp, deinfer's low-rank ones on one rank
-        native = mode == "dense" or (mode == "deinfer" and (tp == 1 or layout == "optimized"))
-        native = native and kv == "dense" and path == "dynamic"
+        # (panels, one call per half-block, cut at the latent's collectives across
+        # ranks): dense and deinfer ones at any tp (not Base's)
+        native = mode != "base" and kv == "dense" and path == "dynamic"
         blocks = CONFIG["num_hidden_layers"] if native else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))

@@ -41,12 +41,15 @@ class Projection:
     factors side by side) and each member's up factor [rank -> width], in column order.
     Holds the C descriptor (and keeps the tensors it points to alive)."""
 
-    down: torch.Tensor
+    down: torch.Tensor | None  # None: the input is the latent (the up factors alone)
     columns: int  # the down panels' columns
     ups: tuple[tuple[torch.Tensor, int, int], ...] = ()  # (panels, rank, width)
 
     @property
     def in_width(self) -> int:
+        """The input's width; the up factors' ranks' sum where the input is the latent."""
+        if self.down is None:
+            return sum(r for _, r, _ in self.ups)
         return self.down.shape[1]  # panels [ceil(columns / width), in, width]
 
     @property
@@ -61,7 +64,8 @@ class Projection:
             (ctypes.c_int64 * max(n, 1))(*[w for _, _, w in self.ups]),
         )
         ups, ranks, widths = arrays
-        described = _Projection(self.down.data_ptr(), self.columns, n, ups, ranks, widths)
+        down = None if self.down is None else self.down.data_ptr()
+        described = _Projection(down, self.columns, n, ups, ranks, widths)
         object.__setattr__(self, "arrays", arrays)
         object.__setattr__(self, "descriptor", described)
         object.__setattr__(self, "address", ctypes.addressof(described))
@@ -83,15 +87,48 @@ def _check_rows(x: torch.Tensor, parts: list[torch.Tensor]) -> None:
             raise ValueError(f"decode block: summand {tuple(p.shape)} for x {tuple(x.shape)}")
 
 
+def _norm(norm: tuple[torch.Tensor, float] | None, parts: list) -> tuple[int | None, float]:
+    """The norm's weight pointer and eps; (NULL, 0) where the input is a latent."""
+    if norm is None:
+        if parts:
+            raise ValueError("decode block: summands for a latent input")
+        return None, 0.0
+    return norm[0].data_ptr(), norm[1]
+
+
 @dataclass(frozen=True)
 class DecodeBlockLibrary:
     lib: ctypes.CDLL
+
+    def norm_project(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        projection: Projection,
+    ) -> torch.Tensor:
+        """``decode_norm_project``: x [m, h] += parts (in place), and the normed x times
+        ``projection`` [m, its columns] (across ranks: a column group's down factors'
+        shard, whose latent the ranks all-gather)."""
+        _check_rows(x, parts)
+        m, h = x.shape
+        if projection.in_width != h:
+            raise ValueError(f"decode block: projection of {projection.in_width} for x {h}")
+        out = torch.empty(m, projection.out_width)
+        pointers, strides = _pointers(parts)
+        failed = self.lib.decode_norm_project(
+            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
+            projection.address, out.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"decode block: no scratch for {m} rows")
+        return out
 
     def attention(
         self,
         x: torch.Tensor,
         parts: list[torch.Tensor],
-        norm: tuple[torch.Tensor, float],
+        norm: tuple[torch.Tensor, float] | None,
         qkv: Projection,
         heads: tuple[int, int, int],
         rope: tuple[torch.Tensor, torch.Tensor, int],
@@ -100,7 +137,8 @@ class DecodeBlockLibrary:
         o: Projection,
     ) -> torch.Tensor:
         """The attention half (``decode_attention`` in the C file): x [m, h] += parts (in
-        place), and the heads' output times W_o [m, h]. ``norm``: (weight, eps);
+        place), and the heads' output times W_o [m, o's columns]. ``norm``: (weight, eps),
+        or None where x is q|k|v's gathered latent (no parts; ``qkv`` its up factors);
         ``heads``: (query heads, KV heads, head_dim) of this rank; ``rope``: (cos, sin
         [m, d] or [m, 1, d], contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
         [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
@@ -120,10 +158,11 @@ class DecodeBlockLibrary:
         )
         if not (fits and indexes):  # the slots' range: ``DenseDecodeCache`` checks it once
             raise ValueError(f"decode block: cache rows {tuple(k_rows.shape)}, want {want}")
-        out = torch.empty(m, h)
+        out = torch.empty(m, o.out_width)
         pointers, strides = _pointers(parts)
+        weight, eps = _norm(norm, parts)
         failed = self.lib.decode_attention(
-            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
+            x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps,
             qkv.address, n_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), half,
             k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(), slots.data_ptr(),
             slots.shape[1], lengths.data_ptr(), scale, o.address, out.data_ptr(),
@@ -136,19 +175,21 @@ class DecodeBlockLibrary:
         self,
         x: torch.Tensor,
         parts: list[torch.Tensor],
-        norm: tuple[torch.Tensor, float],
+        norm: tuple[torch.Tensor, float] | None,
         gate_up: Projection,
         inter: int,
         down: Projection,
     ) -> torch.Tensor:
         """The MLP half (``decode_mlp``): x += parts (in place), and W_down's product of
-        silu(gate) · up [m, h]; ``inter``: this rank's MLP columns."""
+        silu(gate) · up [m, down's columns]; ``inter``: this rank's MLP columns; ``norm``
+        None as in ``attention``."""
         _check_rows(x, parts)
         m, h = x.shape
-        out = torch.empty(m, h)
+        out = torch.empty(m, down.out_width)
         pointers, strides = _pointers(parts)
+        weight, eps = _norm(norm, parts)
         failed = self.lib.decode_mlp(
-            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
+            x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps,
             gate_up.address, inter, down.address,
             out.data_ptr(),
         )  # fmt: skip
@@ -203,6 +244,7 @@ _HALF = "piipp" + "ipf"
 _SIGNATURES = {
     "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
     "decode_mlp": _HALF + "pipp",
+    "decode_norm_project": _HALF + "pp",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
 }
 _TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}

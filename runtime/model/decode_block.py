@@ -10,10 +10,17 @@ SiLU GLU, fp32 on the CPU; each projection dense (a column group fused into one 
 ``DecoderLayer.FUSED``) or low-rank (down factor, then up factors; a column group's
 down factors concatenated). At batch 1 on the Intel Xeon VM the products took 18 of a
 28 ms step of the 135M model and the ops between them the rest (``native/decode_block.c``).
+
+Across ranks (deinfer's latent dataflow) a half is cut at its collectives: a low-rank
+column group's down factors' shard is one call (``ColumnProjection.first``), the ranks
+all-gather its latent, and the rest of the half runs from that latent (its up factors,
+``ColumnProjection.ups``); a low-rank row projection ends at its down factor's shard
+(the latent of width r, which the layer all-reduces and multiplies by the up factor).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +30,9 @@ from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.decode_block import DecodeBlockLibrary, Projection, decode_block_library
 from runtime.kernels.panel import panel_library
 from runtime.model.paged_cache import DenseDecodeCache
+
+# The ranks' all-gather of a latent's columns ([m, w] on each rank -> [m, world * w])
+Gather = Callable[[torch.Tensor], torch.Tensor]
 
 # Each projection of the block: its dense matrix's name (a column group's fused as
 # ``DecoderLayer.FUSED`` makes it), and its low-rank form: the down factor's name (a
@@ -36,22 +46,28 @@ PROJECTIONS = {
 }
 
 
-def matrices_of(weights: dict[str, object]) -> list[str] | None:
+# The row projections: across ranks the block ends them at their down factors' shard.
+ROWS = ("o", "down")
+
+
+def matrices_of(weights: dict[str, object], across_ranks: bool = False) -> list[str] | None:
     """The names of the matrices the block multiplies, each projection dense or
     low-rank as ``weights`` (the layer's, by name) hold it; None where one is neither
-    (a column group part merged, part low-rank)."""
+    (a column group part merged, part low-rank). ``across_ranks``: not a low-rank row
+    projection's up factor (the layer multiplies it after the all-reduce)."""
     names: list[str] = []
-    for dense, down, members in PROJECTIONS.values():
+    for key, (dense, down, members) in PROJECTIONS.items():
         if dense in weights:
             names.append(dense)
         elif down in weights and all(f"{n}.u" in weights for n in members):
-            names += [down, *(f"{n}.u" for n in members)]
+            ups = [] if across_ranks and key in ROWS else [f"{n}.u" for n in members]
+            names += [down, *ups]
         else:
             return None
     return names
 
 
-def covers(model: ModelConfig, weights: dict[str, object]) -> bool:
+def covers(model: ModelConfig, weights: dict[str, object], across_ranks: bool = False) -> bool:
     """Whether the decode block computes a layer of ``model`` with these weights (by
     name as ``DecoderLayer.w`` has them; before or after packing)."""
     plain = (
@@ -62,7 +78,7 @@ def covers(model: ModelConfig, weights: dict[str, object]) -> bool:
         and model.positions.kind == "rope"
         and model.positions.style in ("neox", "gptj")
     )
-    names = matrices_of(weights)
+    names = matrices_of(weights, across_ranks)
     biases = any(name.endswith(".bias") for name in weights)
     fp32 = names is not None and all(
         getattr(weights[name], "dtype", None) == torch.float32
@@ -77,20 +93,48 @@ def _panels(weights: dict[str, object], name: str) -> ReleasedMatrix | None:
     return m if isinstance(m, ReleasedMatrix) and m.form.kind == "panel" else None
 
 
-def _projection(weights: dict[str, object], key: str) -> Projection | None:
-    """The projection ``key`` of ``PROJECTIONS`` as panels, or None where a matrix is not
-    held as panels alone (the tuned products chose another form)."""
+@dataclass(frozen=True)
+class ColumnProjection:
+    """A column group's projection from the normed input: whole (``ups`` None), or cut
+    where the ranks all-gather its latent: ``first`` the group's down factors' shard
+    (dense: one matrix), ``ups`` its up factors, from the gathered latent."""
+
+    first: Projection
+    ups: Projection | None = None
+
+    @property
+    def out_width(self) -> int:
+        return (self.ups or self.first).out_width
+
+
+def _projection(
+    weights: dict[str, object], key: str, world: int
+) -> Projection | ColumnProjection | None:
+    """The projection ``key`` of ``PROJECTIONS`` as panels (a ``ColumnProjection`` for
+    a column group), or None where a matrix is not held as panels alone (the tuned
+    products chose another form) or a low-rank group's latent is not its ranks' sum."""
     dense, down, members = PROJECTIONS[key]
+    row = key in ROWS
     if dense in weights:
         m = _panels(weights, dense)
-        return None if m is None else Projection(m.copy, m.shape[1])
-    held = [_panels(weights, name) for name in (down, *(f"{n}.u" for n in members))]
+        whole = None if m is None else Projection(m.copy, m.shape[1])
+        return whole if row or whole is None else ColumnProjection(whole)
+    across = world > 1
+    ups_held = () if across and row else (f"{n}.u" for n in members)
+    held = [_panels(weights, name) for name in (down, *ups_held)]
     if any(m is None for m in held):
         return None
     first, *ups = held
-    if first.shape[1] != sum(u.shape[0] for u in ups):
+    if not ups:  # a row projection across ranks: its latent's shard of the sum
+        return Projection(first.copy, first.shape[1])
+    ranks = sum(u.shape[0] for u in ups)
+    factors = tuple((u.copy, *u.shape) for u in ups)
+    if not across:
+        whole = Projection(first.copy, first.shape[1], factors)
+        return None if first.shape[1] != ranks else whole if row else ColumnProjection(whole)
+    if not ranks <= first.shape[1] * world:  # the gathered latent holds every member's rows
         return None
-    return Projection(first.copy, first.shape[1], tuple((u.copy, *u.shape) for u in ups))
+    return ColumnProjection(Projection(first.copy, first.shape[1]), Projection(None, 0, factors))
 
 
 @dataclass(frozen=True)
@@ -102,13 +146,17 @@ class DecodeBlock:
     half: int  # RoPE pairs: j with j + half (neox), or adjacent (0)
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    projections: tuple[Projection, Projection, Projection, Projection]  # as PROJECTIONS
+    qkv: ColumnProjection
+    o: Projection  # whole, or across ranks its shard (Megatron's, or the down factor's)
+    gate_up: ColumnProjection
+    down: Projection  # as o
 
     @staticmethod
-    def of(model: ModelConfig, weights: dict[str, object]) -> DecodeBlock | None:
-        """The block of a layer with these weights (by name, packed), or None where a
-        matrix is not held as panels alone or the shapes do not fit one another."""
-        projections = {key: _projection(weights, key) for key in PROJECTIONS}
+    def of(model: ModelConfig, weights: dict[str, object], world: int = 1) -> DecodeBlock | None:
+        """The block of a layer with these weights (by name, packed) on one of ``world``
+        ranks, or None where a matrix is not held as panels alone or the shapes do not
+        fit one another."""
+        projections = {key: _projection(weights, key, world) for key in PROJECTIONS}
         if any(p is None for p in projections.values()):
             return None
         qkv, o, gate_up, down = (projections[k] for k in PROJECTIONS)
@@ -116,12 +164,15 @@ class DecodeBlock:
         width, inter = o.in_width, down.in_width
         heads = width // d
         kv_heads = (qkv.out_width - width) // (2 * d)
+        # across ranks a row projection's output may be its latent's shard (width r)
+        outs_fit = world > 1 or o.out_width == h == down.out_width
         fits = (
             width == heads * d
             and qkv.out_width == (heads + 2 * kv_heads) * d
             and kv_heads > 0
             and heads % kv_heads == 0
-            and o.out_width == h == down.out_width == qkv.in_width == gate_up.in_width
+            and outs_fit
+            and qkv.first.in_width == h == gate_up.first.in_width
             and gate_up.out_width == 2 * inter
         )
         if not fits:
@@ -130,8 +181,24 @@ class DecodeBlock:
         norms = weights["input_norm.weight"], weights["post_norm.weight"]
         return DecodeBlock(
             decode_block_library(), (heads, kv_heads, d), inter, model.norm.eps, half,
-            norms[0].contiguous(), norms[1].contiguous(), (qkv, o, gate_up, down),
+            norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down,
         )  # fmt: skip
+
+    def _input(
+        self,
+        x: torch.Tensor,
+        summands: list[torch.Tensor],
+        norm: torch.Tensor,
+        columns: ColumnProjection,
+        gather: Gather,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection]:
+        """What a half's call starts from: x, its summands and norm, and the whole
+        projection; or, cut, the latent the ranks gathered (x += summands by the first
+        call) and the up factors."""
+        if columns.ups is None:
+            return x, summands, (norm, self.eps), columns.first
+        latent = gather(self.library.norm_project(x, summands, (norm, self.eps), columns.first))
+        return latent, [], None, columns.ups
 
     def attention(
         self,
@@ -139,17 +206,19 @@ class DecodeBlock:
         summands: list[torch.Tensor],
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         cache: DenseDecodeCache,
+        gather: Gather,
     ) -> torch.Tensor:
-        """x += summands (in place); the attention half's output [m, h] (unreduced)."""
+        """x += summands (in place); the attention half's output [m, o's columns]
+        (unreduced). ``gather``: the ranks' all-gather of a latent's columns."""
         cos, sin = rope_tables  # [m, 1, d] each, contiguous
         operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
-        qkv, o, _, _ = self.projections
+        source, parts, norm, qkv = self._input(x, summands, self.input_norm, self.qkv, gather)
         return self.library.attention(
-            x, summands, (self.input_norm, self.eps), qkv, self.heads, (cos, sin, self.half),
-            operands, cache.scale, o,
+            source, parts, norm, qkv, self.heads, (cos, sin, self.half), operands, cache.scale,
+            self.o,
         )  # fmt: skip
 
-    def mlp(self, x: torch.Tensor, summands: list[torch.Tensor]) -> torch.Tensor:
-        """x += summands (in place); the MLP half's output [m, h] (unreduced)."""
-        _, _, gate_up, down = self.projections
-        return self.library.mlp(x, summands, (self.post_norm, self.eps), gate_up, self.inter, down)
+    def mlp(self, x: torch.Tensor, summands: list[torch.Tensor], gather: Gather) -> torch.Tensor:
+        """x += summands (in place); the MLP half's output [m, down's columns] (unreduced)."""
+        source, parts, norm, up = self._input(x, summands, self.post_norm, self.gate_up, gather)
+        return self.library.mlp(source, parts, norm, up, self.inter, self.down)

@@ -86,19 +86,20 @@ class DecoderLayer(nn.Module):
         cache is dense (the block attends over K and V rows)."""
         weights = {name: self.w(name) for name in self.names}
         allowed = self.decode_block_allowed() and self.s.execution.fuses_residual_adds
-        if self.s.latent_cache or not (allowed and covers(self.s.model, weights)):
+        across = self.s.comm.world > 1
+        if self.s.latent_cache or not (allowed and covers(self.s.model, weights, across)):
             return []
-        return [weights[name] for name in matrices_of(weights)]
+        return [weights[name] for name in matrices_of(weights, across)]
 
     def prepare_decode_block(self) -> None:
         """Once the tuned products have packed and released the matrices."""
         if self.decode_block_matrices():
             weights = {name: self.w(name) for name in self.names}
-            self.decode_block = DecodeBlock.of(self.s.model, weights)
+            self.decode_block = DecodeBlock.of(self.s.model, weights, self.s.comm.world)
 
     def decode_natively(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """``forward_fused`` through the native decode block, where the layer has one and
         the batch is a decode step that offers this layer's dense cache; else None."""
         if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
@@ -106,8 +107,15 @@ class DecoderLayer(nn.Module):
         cache = batch.dense_cache(self.index)
         if cache is None:
             return None
-        o = self.decode_block.attention(x, summands or [], batch.rope_tables, cache)
-        return x, self.decode_block.mlp(x, self.summands_of(o))
+        block, gather = self.decode_block, self.s.comm.all_gather_columns
+        o = block.attention(x, summands or [], batch.rope_tables, cache, gather)
+        down = block.mlp(x, self.row_summands("o", o, batch), gather)
+        return x, self.row_summands("down", down, batch)
+
+    def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """What the next norm adds for the native block's row projection ``name``'s
+        output (``summands_of``; deinfer's may be a latent to reduce and multiply up)."""
+        return self.summands_of(pending)
 
     # Column projections that read the same input, multiplied as one GEMM once
     # ``fuse_dense_groups`` has concatenated their weights (the eager backend does: at 16
@@ -204,10 +212,10 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` with the residual adds fused into the norms after them: x plus
-        the previous layer's ``summands`` (its ``summands_of`` its pending product; None
-        before the first layer), in place, and this layer's own pending product (op by
+        the previous layer's ``summands`` (None before the first layer), in place, and
+        what the next norm adds for this layer's last product (``summands_of`` it; op by
         op; ``decode_natively`` is the same through the native block)."""
         raise NotImplementedError(type(self).__name__)
 
@@ -248,38 +256,45 @@ class DeinferLayer(DecoderLayer):
         self.fuse_dense_groups()
 
     def fuses_residual(self) -> bool:
-        """On one rank each block's output is whole (no all-reduce for the next norm to
-        add), so the residual adds fuse into the norms as in the dense layer."""
-        return self.s.comm.world == 1 and self.s.execution.fuses_residual_adds
+        """Each block's output is whole (its row group reduced the latent), so the
+        residual adds fuse into the norms as in the dense layer (the native decode block
+        hands on its row products' latents instead: ``row_summands``)."""
+        return self.s.execution.fuses_residual_adds
 
     def decode_block_allowed(self) -> bool:
-        """On one rank (no latent all-gather between a group's down and up products),
-        with each concatenated group's members in the block's column order."""
+        """With each concatenated group's members in the block's column order."""
         orders = {"attn": ("q", "k", "v"), "mlp": ("gate", "up")}
         for group, order in orders.items():
             cat = self.s.plan.concat(group)
             if cat is not None and tuple(n for n, _ in cat.members) != order:
                 return False
-        return self.s.comm.world == 1
+        return True
 
-    def summands_of(self, pending: torch.Tensor) -> list[torch.Tensor]:
-        """On one rank a block's output is whole (its row group reduced the latent)."""
-        return [pending]
+    def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """On one rank the block's output is whole; across ranks a merged row's is a
+        Megatron shard's partial sum, a low-rank row's its latent's (width r): reduced,
+        then multiplied by the up factor (``row_up``)."""
+        if self.s.comm.world == 1:
+            return [pending]
+        if self.w(f"{name}.v") is None:
+            return self.summands_of(pending)
+        return [self.row_up(name, self.s.comm.all_reduce(pending), batch)]
 
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if summands is not None:
             eager.add_summands(x, summands)
         x.add_(self.attention_block(x, batch))
-        return x, self.mlp_block(x, batch)
+        return x, [self.mlp_block(x, batch)]
 
     def gemm_only(self) -> set[str]:
         """Not the up factors of a concat group across ranks (the ring multiplies row
-        slices of them, whenever a latent goes round it), nor a latent cache's k and v up
-        factors (its decode reads them: ``runtime.model.eager_attention``)."""
+        slices of them, whenever a latent goes round it) unless the native decode block
+        multiplies them (the layer then gathers its latents whole), nor a latent cache's
+        k and v up factors (its decode reads them: ``runtime.model.eager_attention``)."""
         kept = set()
-        if self.s.comm.world > 1:
+        if self.s.comm.world > 1 and not self.decode_block_matrices():
             for group in ("attn", "mlp"):
                 cat = self.s.plan.concat(group)
                 kept |= {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
@@ -311,7 +326,7 @@ class DeinferLayer(DecoderLayer):
                 self.w(f"{norm}.weight"),
                 self.w(f"{norm}.bias"),
             )
-            if self.s.execution.gathers_whole(self.s.comm, z):
+            if self.s.execution.gathers_whole(self.s.comm, z) or self.ups_released(cat):
                 latent = self.s.comm.all_gather_columns(z)
                 outs = self.whole_latent_up(cat, latent, names, batch)
             else:
@@ -322,6 +337,11 @@ class DeinferLayer(DecoderLayer):
             xn = self.norm(x, norm)
             outs.update(zip(dense, self.dense_columns(dense, xn, batch), strict=True))
         return {n: self.add_bias(outs[n], n) for n in names}, latent
+
+    def ups_released(self, cat) -> bool:
+        """Whether the tuned products hold the group's up factors alone (the native
+        decode block's panels): then no ring can take row slices of them."""
+        return any(isinstance(self.w(f"{n}.u"), ReleasedMatrix) for n, _ in cat.members)
 
     def latent_up_by_chunks(self, cat, key, z: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """The generated kernel: each all-gather chunk multiplied as it arrives, split-K
@@ -360,6 +380,11 @@ class DeinferLayer(DecoderLayer):
             return self.add_bias(y, name)
         p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
         self.s.comm.all_reduce(p)  # width r, not h
+        return self.row_up(name, p, batch)
+
+    def row_up(self, name: str, p: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The row group's output from its reduced latent p: times the up factor (split
+        by columns: each rank's columns, all-gathered)."""
         y = self.add_bias(self.gemm(p, self.w(f"{name}.u"), batch.n_valid), name)
         width = self.gathered_widths.get(name)
         if width is None:  # replicated: every rank already holds the whole output

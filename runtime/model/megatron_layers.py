@@ -87,8 +87,8 @@ class DenseLayer(DecoderLayer):
 
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         attended = self.attention_heads(self.add_norm(x, summands, "input_norm"), batch)
         o = self.gemm(attended, self.w("o.weight"), batch.n_valid)
         h = self.mlp_hidden(self.add_norm(x, self.summands_of(o), "post_norm"), batch)
-        return x, self.gemm(h, self.w(f"{self.mlp_row()}.weight"), batch.n_valid)
+        return x, self.summands_of(self.gemm(h, self.w(f"{self.mlp_row()}.weight"), batch.n_valid))

@@ -123,6 +123,5 @@ class TPModel(nn.Module):
         summands = None  # each layer's last product, as the next's first norm adds it
         for layer in self.layers:
             native = layer.decode_natively(x, summands, batch)
-            x, pending = native or layer.forward_fused(x, summands, batch)
-            summands = layer.summands_of(pending)
+            x, summands = native or layer.forward_fused(x, summands, batch)
         return eager.add_summands(x, summands)

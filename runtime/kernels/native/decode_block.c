@@ -13,6 +13,13 @@
  * A low-rank projection's latent stays in this call's scratch between its down and up
  * products (a few KB at decode rows) instead of becoming a tensor between torch calls.
  *
+ * Across ranks a low-rank column group's latent is all-gathered between its down and up
+ * products, and a low-rank row projection's latent all-reduced before its up product,
+ * so there each half is cut at its collectives: decode_norm_project (summands, norm, the
+ * group's down factors' shard) -> all-gather -> the half from the gathered latent (no
+ * norm; the projection's up factors alone) ending in the row projection's down factor
+ * (its output the latent, width r) -> all-reduce -> the up factor (the caller's).
+ *
  * Why: at a decode step's few rows the products stream their weights and the work
  * between them is tiny, but as torch ops each of those pieces (norm, split, RoPE, cache
  * write, gather, attention, activation) is a call with its own tensors and dispatch.
@@ -33,15 +40,20 @@
 #include "row_kernel.h"
 
 /* x [m][h] += parts (nparts 0: nothing to add); xt [h][m] = RMSNorm(x) . w, transposed
- * for the panel product (through normed [m][h]); rows shared out over the threads. */
+ * for the panel product (through normed [m][h]); rows shared out over the threads. w
+ * NULL: x is a gathered latent, transposed as it is (no summands, no norm). */
 static void add_norm_transposed(float *x, int64_t m, int64_t h, const float *const *parts,
                                 const int64_t *ld_parts, int64_t nparts, const float *w,
                                 float eps, float *normed, float *xt) {
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < m; r++) {
     float *xr = x + r * h, *row = normed + r * h;
-    if (nparts) add_parts_row(xr, parts, ld_parts, nparts, r, h);
-    scale_row(xr, w, row_scale(xr, h, eps), row, h);
+    if (w) {
+      if (nparts) add_parts_row(xr, parts, ld_parts, nparts, r, h);
+      scale_row(xr, w, row_scale(xr, h, eps), row, h);
+    } else {
+      row = xr;
+    }
     for (int64_t j = 0; j < h; j++) xt[j * m + r] = row[j];
   }
 }
@@ -49,7 +61,9 @@ static void add_norm_transposed(float *x, int64_t m, int64_t h, const float *con
 /* One projection of a half-block: dense, one matrix (down: its panels, n_down its
  * columns), or latent (down: the down factor, or a column group's down factors side by
  * side, n_down their ranks' sum), whose latent each member's up factor (ups[i], ranks[i]
- * rows of the latent in order, widths[i] output columns in order) then multiplies. */
+ * rows of the latent in order, widths[i] output columns in order) then multiplies; down
+ * NULL: the input is that latent already (gathered from the ranks), the up factors
+ * alone. */
 typedef struct {
   const float *down;
   int64_t n_down;
@@ -63,7 +77,14 @@ static inline int64_t panels_of(int64_t columns) { return (columns + VEC - 1) / 
 
 /* The scratch a latent projection needs for m rows: its latent and its transpose */
 static inline int64_t latent_floats(const projection_t *p, int64_t m) {
-  return p->members ? 2 * m * p->n_down : 0;
+  return p->members && p->down ? 2 * m * p->n_down : 0;
+}
+
+/* Output columns */
+static inline int64_t out_width(const projection_t *p) {
+  int64_t width = 0;
+  for (int64_t i = 0; i < p->members; i++) width += p->widths[i];
+  return p->members ? width : p->n_down;
 }
 
 /* c [m][ldc] = a . projection, from at [k][m] (a transposed); z: latent_floats scratch.
@@ -72,18 +93,19 @@ static inline int64_t latent_floats(const projection_t *p, int64_t m) {
 static void project(const projection_t *p, const float *at, int64_t m, int64_t k, float *z,
                     float *c, int64_t ldc) {
   int64_t first, last;
-  thread_share(panels_of(p->n_down), &first, &last);
-  if (!p->members) {
-    panel_run(at, m, k, p->down, p->n_down, c, ldc, first, last);
+  const float *zt = at; /* down NULL: the input is the latent */
+  if (p->down) {
+    thread_share(panels_of(p->n_down), &first, &last);
+    float *c_down = p->members ? z : c;
+    panel_run(at, m, k, p->down, p->n_down, c_down, p->members ? p->n_down : ldc, first, last);
 #pragma omp barrier
-    return;
-  }
-  float *zt = z + m * p->n_down;
-  panel_run(at, m, k, p->down, p->n_down, z, p->n_down, first, last);
-#pragma omp barrier
+    if (!p->members) return;
+    float *zt_own = z + m * p->n_down;
 #pragma omp for schedule(static)
-  for (int64_t j = 0; j < p->n_down; j++)
-    for (int64_t r = 0; r < m; r++) zt[j * m + r] = z[r * p->n_down + j];
+    for (int64_t j = 0; j < p->n_down; j++)
+      for (int64_t r = 0; r < m; r++) zt_own[j * m + r] = z[r * p->n_down + j];
+    zt = zt_own;
+  }
   int64_t total = 0;
   for (int64_t i = 0; i < p->members; i++) total += panels_of(p->widths[i]);
   thread_share(total, &first, &last);
@@ -149,8 +171,10 @@ static void attend_head(const float *q, const float *k_rows, const float *v_rows
  * kv_heads * d twice. cos, sin [m][d]: each row's RoPE tables (sin
  * signed), half as in rope_vector. k_rows, v_rows: the layer's cache, one row of
  * [kv_heads][d] per slot; row r's new k and v go to slot new_slots[r], and it attends
- * to slots[r * ld_slots + j], j < lengths[r] (its new token among them). out [m][h]:
- * the heads' output times W_o (o_proj). Returns 0, or -1 without scratch memory. */
+ * to slots[r * ld_slots + j], j < lengths[r] (its new token among them). out [m][o_proj's
+ * columns]: the heads' output times W_o (o_proj; across ranks its down factor's shard,
+ * or its Megatron row shard). norm_w NULL: x [m][h] is q|k|v's gathered latent and
+ * qkv_proj its up factors. Returns 0, or -1 without scratch memory. */
 int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
                      const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
                      const projection_t *qkv_proj, int64_t heads, int64_t kv_heads, int64_t d,
@@ -196,7 +220,7 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
                       ld_slot, scale, d, own, acc, attn_t + head * d * m + r, m);
         }
       }
-      project(o_proj, attn_t, m, width, z, out, h);
+      project(o_proj, attn_t, m, width, z, out, out_width(o_proj));
     }
     free(own);
   }
@@ -205,8 +229,9 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
 }
 
 /* The MLP half: x [m][h] += parts; RMSNorm . norm_w; gate|up = one product by
- * gate_up_proj (columns: inter of gate, then inter of up); silu(gate) . up; out [m][h]
- * = that times W_down (down_proj). Returns 0, or -1 without scratch memory. */
+ * gate_up_proj (columns: inter of gate, then inter of up); silu(gate) . up; out [m][down
+ * columns] = that times W_down (down_proj). norm_w NULL: x is gate|up's gathered latent,
+ * as in decode_attention. Returns 0, or -1 without scratch memory. */
 int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
                const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
                const projection_t *gate_up_proj, int64_t inter, const projection_t *down_proj,
@@ -229,7 +254,26 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
         hidden_t[j * m + r] = g / (1.0f + expf(-g)) * u;
       }
     }
-    project(down_proj, hidden_t, m, inter, z, out, h);
+    project(down_proj, hidden_t, m, inter, z, out, out_width(down_proj));
+  }
+  free(xt);
+  return 0;
+}
+
+/* Across ranks, the first piece of a half whose column group is low-rank: x [m][h] +=
+ * parts; out [m][proj's columns] = RMSNorm(x) . norm_w times proj (the group's down
+ * factors' shard), the latent the ranks then all-gather. Returns 0, or -1 without
+ * scratch memory. */
+int decode_norm_project(float *x, int64_t m, int64_t h, const float *const *parts,
+                        const int64_t *ld_parts, int64_t nparts, const float *norm_w,
+                        float eps, const projection_t *proj, float *out) {
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m)));
+  if (!xt) return -1;
+  float *normed = xt + h * m, *z = normed + h * m;
+#pragma omp parallel
+  {
+    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+    project(proj, xt, m, h, z, out, out_width(proj));
   }
   free(xt);
   return 0;
