@@ -1,9 +1,12 @@
 """The shared-memory collectives of same-host CPU ranks against gloo's: all-reduce gives
 the same sums (fp32 to rounding, bf16 to its precision), bit-identical on every rank,
 all-gather exactly gloo's result, over shapes, dtypes and world sizes (3 ranks on 2 cores
-exercise the yielding wait), and nothing is left in /dev/shm."""
+exercise the yielding wait), and nothing is left in /dev/shm; the launcher's ranks pinned
+round-robin over the cores."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from hypothesis import given, settings
@@ -11,7 +14,12 @@ from hypothesis import strategies as st
 
 from runtime.dist.launcher import launch
 from tests.conftest import TP_EXAMPLES
-from tests.tp_workers import mixed_layout_all_reduce, shm_all_gather, shm_all_reduce
+from tests.tp_workers import (
+    core_affinity,
+    mixed_layout_all_reduce,
+    shm_all_gather,
+    shm_all_reduce,
+)
 
 SHAPES = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 CASES = st.lists(
@@ -56,3 +64,12 @@ def test_shm_all_gather_matches_gloo(world, cases, seed):
     the layers use; 20 x 700 fp32 exceeds the 64 KB slots and falls back to gloo."""
     results = launch(shm_all_gather, world, cases, seed, timeout_s=120)
     assert results == [[True] * len(cases)] * world
+
+
+def test_ranks_are_pinned_round_robin_over_the_cores():
+    """Rank r on core r modulo the cores: one each where they suffice, two ranks to a
+    core (never migrating) where they do not (one rank more than the cores here)."""
+    cores = sorted(os.sched_getaffinity(0))
+    world = len(cores) + 1
+    got = launch(core_affinity, world, timeout_s=120)
+    assert got == [[cores[r % len(cores)]] for r in range(world)]

@@ -193,10 +193,11 @@ def shm_all_reduce(rank, world, cases, seed):
 
     import torch.distributed as dist
 
-    from runtime.dist.shm_collectives import SharedMemoryCollectives, supported
+    from runtime.dist.shm_collectives import SPINS, SharedMemoryCollectives, supported
 
     assert supported()
-    shm = SharedMemoryCollectives(rank, world, capacity=1 << 16)
+    # both waits: spinning first (a core per rank), yielding at once (ranks share cores)
+    shm = SharedMemoryCollectives(rank, world, capacity=1 << 16, spins=SPINS * (seed % 2))
     comm = Comm()
     comm.shm = shm
     out = []
@@ -299,3 +300,10 @@ def packed_causal_attention(cu_seqlens: list[int]):
         return out
 
     return attention
+
+
+def core_affinity(rank, world):
+    """The cores this rank may run on, after the launcher pinned it."""
+    import os
+
+    return sorted(os.sched_getaffinity(0))

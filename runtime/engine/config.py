@@ -95,6 +95,7 @@ class EngineFacts:
     up_layout: str  # deinfer's o/down up factors: replicated | sharded
     link: LinkSpec | None
     merges: Merges = field(default_factory=dict)  # deinfer's merged matrices per shape
+    shared_cores: bool = False  # more ranks than this process's cores: they take turns
 
     @property
     def static(self) -> bool:
@@ -107,10 +108,15 @@ def default_path() -> str:
     return "static" if torch.cuda.is_available() else "dynamic"
 
 
+def usable_cores() -> int:
+    """The cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def default_threads(tp: int) -> int:
     """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // tp)
+    return max(1, usable_cores() // tp)
 
 
 def uses_shared_memory(requested: bool, tp: int, link: LinkSpec | None) -> bool:
@@ -196,7 +202,8 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)
     merges = planned_merges(options, spec, kv, layout, link)
-    return EngineFacts(path, kernels, kv, threads, shared, layout, link, merges)
+    shared_cores = tp > usable_cores()
+    return EngineFacts(path, kernels, kv, threads, shared, layout, link, merges, shared_cores)
 
 
 def layout_profile(name: str | None, link: LinkSpec | None) -> DeviceProfile:

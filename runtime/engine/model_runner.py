@@ -11,7 +11,7 @@ import torch
 
 from dsl.plan import ModePlan
 from runtime.dist.comm import Comm
-from runtime.dist.shm_collectives import SharedMemoryCollectives
+from runtime.dist.shm_collectives import SPINS, SharedMemoryCollectives
 from runtime.engine.cache_attention import CacheAttention
 from runtime.engine.config import RunnerConfig
 from runtime.engine.kv_cache import allocate
@@ -100,7 +100,8 @@ class ModelRunner:
         comm = Comm(count=options.comm_stats != "off", timed=options.comm_stats == "timed")
         comm.overlap = options.overlap
         if self.facts.shm_collectives:
-            comm.shm = SharedMemoryCollectives(rank, world, capacity=4 << 20)
+            spins = 0 if self.facts.shared_cores else SPINS
+            comm.shm = SharedMemoryCollectives(rank, world, capacity=4 << 20, spins=spins)
         return comm
 
     def _model(self, mode_plan: ModePlan) -> TPModel:
