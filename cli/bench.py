@@ -209,6 +209,8 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "rule": args.rule,
         "lockstep": True if args.lockstep else None,
     }
+    if args.link and not args.lockstep:  # not a preset's lockstep: links' rows share engines
+        overrides["lockstep"] = False
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:
         cfg = replace(cfg, overlap=False)

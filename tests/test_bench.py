@@ -354,3 +354,23 @@ def test_bench_rows_across_emulated_hosts_say_so(tmp_path):
     assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []
     with pytest.raises(UserError, match="--hosts 2: emulated machines need --link"):
         BenchConfig(spec="s", hosts=2)
+
+
+def _parsed_bench(*argv: str):
+    import argparse
+
+    from cli.bench import _bench_config, add_bench
+
+    parser = argparse.ArgumentParser()
+    add_bench(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *argv])
+    return _bench_config(args, preset(args.preset))
+
+
+def test_a_link_turns_off_a_presets_lockstep_but_not_an_asked_for_one():
+    """vs-dense-cpu runs in lockstep on loopback and behind one link at a time."""
+    assert _parsed_bench("--preset", "vs-dense-cpu").lockstep
+    behind = _parsed_bench("--preset", "vs-dense-cpu", "--link", "ratio:0.373")
+    assert not behind.lockstep and behind.links == ("ratio:0.373",)
+    with pytest.raises(UserError, match="--lockstep cannot be combined with --link"):
+        _parsed_bench("--preset", "cpu-smoke", "--lockstep", "--link", "ratio:0.373")
