@@ -105,6 +105,35 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)
 
 
+@pytest.mark.parametrize(
+    "merged,native",
+    [
+        ({"q", "k", "v", "o"}, True),  # attention merged, the MLP latent (cpu-demo's tp 2)
+        ({"o", "down"}, True),  # the rows merged (Megatron shards), the columns latent
+        ({"q", "gate"}, False),  # column groups part merged: no native block
+    ],
+)
+def test_native_block_across_ranks_in_mixed_layouts(model, monkeypatch, merged, native):
+    """The decode block across ranks with merged and latent matrices side by side (the
+    driver's layout choice replaced by a fixed one): same greedy tokens, and the layers
+    it covers."""
+    from runtime.engine import config
+
+    spec_path, ckpt, want = model
+
+    def fixed(options, spec, kv, up_layout, link):
+        return {shape: frozenset(merged) for shape in spec.layer_shapes()}
+
+    monkeypatch.setattr(config, "planned_merges", fixed)
+    options = {"kv_cache": "dense", "path": "dynamic"}
+    with LLM(spec_path, ckpt, tp=2, mode="deinfer", layout="optimized", **options) as llm:
+        assert {n for names in llm.facts.merges.values() for n in names} == merged
+        blocks = CONFIG["num_hidden_layers"] if native else 0
+        assert llm.workers.call("decode_block_layers") == [blocks] * 2
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want
+
+
 @pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize("kv", ["dense", "latent"])
 def test_chunked_prefill(model, kv, path):
