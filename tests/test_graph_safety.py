@@ -131,5 +131,5 @@ def test_decode_step_reaches_its_first_product_in_eight_calls(runner_factory, pa
         runner.step([SeqInput(0, [4], 4, [0], params)], False)
     chain = recorder.chain
     assert chain is not None and chain[0] == "model_runner.decode", chain
-    assert "layers.column_group" in chain, chain  # a layer's product, not the LM head's
+    assert "deinfer_layers.column_group" in chain, chain  # a layer's product, not the LM head's
     assert len(chain) <= 8, " -> ".join(chain)

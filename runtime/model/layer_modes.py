@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dsl.plan import LayerPlan
-from runtime.model.layers import DecoderLayer, DeinferLayer
+from runtime.model.deinfer_layers import DeinferLayer
+from runtime.model.layers import DecoderLayer
 from runtime.model.megatron_layers import BaseLayer, DenseLayer
 
 LAYER_CLASSES: dict[str, type[DecoderLayer]] = {

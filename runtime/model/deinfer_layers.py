@@ -1,0 +1,189 @@
+"""DeInfer's decoder layer (docs/METHOD.md): concat-split down factors, the latent
+all-gathered, local heads only, row-parallel o/down down factors with an all-reduce of
+width r, then their up factors replicated or split by columns; each matrix merged or
+latent as the plan says. The shared parts are ``runtime.model.layers.DecoderLayer``'s."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.dist.comm import Comm
+from runtime.kernels import eager
+from runtime.kernels.cpu_gemm import ReleasedMatrix
+from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer, LayerSetup
+
+
+class DeinferLayer(DecoderLayer):
+    """Concat-split down factors, latent all-gather overlapped with the up GEMM, local
+    heads only, row-parallel o/down down-factors with an all-reduce of width r, then the
+    o/down up factors replicated or split by columns (``ModePlan.up_layout``)."""
+
+    def __init__(self, setup: LayerSetup, index: int, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(setup, index, weights)
+        # Row groups whose up factor is split by columns, and the real width their
+        # all-gathered output is cut back to: fixed by the plan, looked up once.
+        self.gathered_widths = {f.matrix: f.length for f in setup.plan.split_row_ups()}
+
+    def fuse_columns(self) -> None:
+        """A column group whose matrices all run merged is one GEMM, as in dense mode."""
+        self.fuse_dense_groups()
+
+    def fuses_residual(self) -> bool:
+        """Each block's output is whole (its row group reduced the latent), so the
+        residual adds fuse into the norms as in the dense layer (the native decode block
+        hands on its row products' latents instead: ``row_summands``)."""
+        return self.s.execution.fuses_residual_adds
+
+    def decode_block_allowed(self) -> bool:
+        """With each concatenated group's members in the block's column order."""
+        orders = {"attn": ("q", "k", "v"), "mlp": ("gate", "up")}
+        for group, order in orders.items():
+            cat = self.s.plan.concat(group)
+            if cat is not None and tuple(n for n, _ in cat.members) != order:
+                return False
+        return True
+
+    def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """On one rank the block's output is whole; across ranks a merged row's is a
+        Megatron shard's partial sum, a low-rank row's its latent's (width r): reduced,
+        then multiplied by the up factor (``row_up``)."""
+        if self.s.comm.world == 1:
+            return [pending]
+        if self.w(f"{name}.v") is None:
+            return self.summands_of(pending)
+        return [self.row_up(name, self.s.comm.all_reduce(pending), batch)]
+
+    def forward_fused(
+        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if summands is not None:
+            eager.add_summands(x, summands)
+        x.add_(self.attention_block(x, batch))
+        return x, [self.mlp_block(x, batch)]
+
+    def gemm_only(self) -> set[str]:
+        """Not the up factors of a concat group across ranks (the ring multiplies row
+        slices of them, whenever a latent goes round it) unless the native decode block
+        multiplies them (the layer then gathers its latents whole), nor a latent cache's
+        k and v up factors (its decode reads them: ``runtime.model.eager_attention``)."""
+        kept = set()
+        if self.s.comm.world > 1 and not self.decode_block_matrices():
+            for group in ("attn", "mlp"):
+                cat = self.s.plan.concat(group)
+                kept |= {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
+        if self.s.latent_cache:
+            kept |= {"k.u", "v.u"}
+        return super().gemm_only() - kept
+
+    def column_group(
+        self,
+        group: str,
+        names: tuple[str, ...],
+        x: torch.Tensor,
+        norm: str,
+        batch: Batch,
+        keep_latent: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The group's outputs by name, and (``keep_latent``) the gathered latent
+        [T, padded]; None where no factor of the group is decomposed."""
+        outs: dict[str, torch.Tensor] = {}
+        latent = None
+        cat = self.s.plan.concat(group)
+        if cat is not None:
+            key = (group, self.s.plan.shape_id)
+            down = self.s.execution.kernel("down_proj", key)
+            z = down(
+                x,
+                self.w(f"{group}.cat"),
+                x.new_empty((x.shape[0], cat.width)),
+                self.w(f"{norm}.weight"),
+                self.w(f"{norm}.bias"),
+            )
+            if self.s.execution.gathers_whole(self.s.comm, z) or self.ups_released(cat):
+                latent = self.s.comm.all_gather_columns(z)
+                outs = self.whole_latent_up(cat, latent, names, batch)
+            else:
+                outs, gathered = self.latent_up_by_chunks(cat, key, z)
+                latent = Comm.columns(gathered) if keep_latent else None
+        dense = tuple(n for n in names if n not in outs)
+        if dense:
+            xn = self.norm(x, norm)
+            outs.update(zip(dense, self.dense_columns(dense, xn, batch), strict=True))
+        return {n: self.add_bias(outs[n], n) for n in names}, latent
+
+    def ups_released(self, cat) -> bool:
+        """Whether the tuned products hold the group's up factors alone (the native
+        decode block's panels): then no ring can take row slices of them."""
+        return any(isinstance(self.w(f"{n}.u"), ReleasedMatrix) for n, _ in cat.members)
+
+    def latent_up_by_chunks(self, cat, key, z: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The generated kernel: each all-gather chunk multiplied as it arrives, split-K
+        into fp32 accumulators (the ring overlap; the static path's fixed shapes).
+        Returns the outputs by name and the gathered chunks [world, T, width]."""
+        members = [n for n, _ in cat.members]
+        ups = tuple(self.w(f"{n}.u") for n in members)
+        accs = tuple(
+            torch.zeros((z.shape[0], u.shape[1]), dtype=torch.float32, device=z.device) for u in ups
+        )
+        gathered = z.new_empty((self.s.comm.world, *z.shape))
+        module = self.s.execution.module("latent_up", key)
+        chunk_fn = self.s.execution.kernel("latent_up", key)
+        module.latent_up(self.s.comm, z, gathered, ups, accs, chunk_fn=chunk_fn)
+        return {n: acc.to(z.dtype) for n, acc in zip(members, accs, strict=True)}, gathered
+
+    def whole_latent_up(
+        self, cat, latent: torch.Tensor, names: tuple[str, ...], batch: Batch
+    ) -> dict[str, torch.Tensor]:
+        """Dynamic path, latent gathered at once (shared memory, or no ring): one
+        product per up factor of ``names`` over its columns of the latent — the whole
+        factor, which the tuned products cover, instead of row slices of it per chunk."""
+        outs = {}
+        for name, rank in cat.members:
+            if name not in names:
+                continue
+            start = cat.member_offset(name)
+            outs[name] = self.gemm(
+                latent[:, start : start + rank], self.w(f"{name}.u"), batch.n_valid
+            )
+        return outs
+
+    def row_group(self, name: str, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.w(f"{name}.v") is None:
+            y = self.s.comm.all_reduce(self.gemm(h, self.w(f"{name}.weight"), batch.n_valid))
+            return self.add_bias(y, name)
+        p = self.gemm(h, self.w(f"{name}.v"), batch.n_valid)
+        self.s.comm.all_reduce(p)  # width r, not h
+        return self.row_up(name, p, batch)
+
+    def row_up(self, name: str, p: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The row group's output from its reduced latent p: times the up factor (split
+        by columns: each rank's columns, all-gathered)."""
+        y = self.add_bias(self.gemm(p, self.w(f"{name}.u"), batch.n_valid), name)
+        width = self.gathered_widths.get(name)
+        if width is None:  # replicated: every rank already holds the whole output
+            return y
+        return self.s.comm.all_gather_columns(y)[:, :width]
+
+    def attention_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # None where this layer's cache holds dense K and V
+        width = self.s.plan.kv_latent_per_rank if self.s.latent_cache else None
+        # a latent layer's decode on the dynamic path reads its keys from the cache: its
+        # k and v up products would go unused (without them a latent step of cpu-135m at
+        # 40%, batch 8, context 256, is 3.6% shorter: 42 alternated steps)
+        skip_kv = width is not None and self.s.execution.reads_cached_keys(batch)
+        qkv = ("q",) if skip_kv else ("q", "k", "v")
+        out, gathered = self.column_group("attn", qkv, x, "input_norm", batch, width is not None)
+        latent = None
+        if gathered is not None and width is not None:
+            start = self.s.plan.concat("attn").member_offset("k")
+            latent = gathered[:, start : start + width]
+        attn = self.attend(out["q"], out.get("k"), out.get("v"), latent, batch)
+        return self.row_group("o", attn, batch)
+
+    def mlp_block(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        act = ACTIVATIONS[self.s.model.mlp.activation]
+        if self.s.model.mlp.kind == "glu":
+            out, _ = self.column_group("mlp", ("gate", "up"), x, "post_norm", batch)
+            return self.row_group("down", act(out["gate"]) * out["up"], batch)
+        out, _ = self.column_group("mlp", ("fc1",), x, "post_norm", batch)
+        return self.row_group("fc2", act(out["fc1"]), batch)
