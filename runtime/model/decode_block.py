@@ -129,9 +129,11 @@ def _projection(
         return Projection(first.copy, first.shape[1])
     ranks = sum(u.shape[0] for u in ups)
     factors = tuple((u.copy, *u.shape) for u in ups)
-    if not across:
+    if not across:  # one call: the latent stays in the call's scratch
+        if first.shape[1] != ranks:
+            return None
         whole = Projection(first.copy, first.shape[1], factors)
-        return None if first.shape[1] != ranks else whole if row else ColumnProjection(whole)
+        return whole if row else ColumnProjection(whole)
     if not ranks <= first.shape[1] * world:  # the gathered latent holds every member's rows
         return None
     return ColumnProjection(Projection(first.copy, first.shape[1]), Projection(None, 0, factors))
