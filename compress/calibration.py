@@ -139,7 +139,6 @@ def calibration_sequences(
     return text_sequences(file_texts(source.file), tokenizer, length, None)
 
 
-@torch.inference_mode()
 def by_length(sequences: list[list[int]]) -> list[list[list[int]]]:
     """The sequences in groups of one length (each group runs as one batch), in the
     order each length first appears."""
@@ -149,6 +148,7 @@ def by_length(sequences: list[list[int]]) -> list[list[list[int]]]:
     return list(groups.values())
 
 
+@torch.inference_mode()  # statistics only: no autograd graph through the calibration
 def collect_input_stats(
     model, spec_model, sequences: list[list[int]], gram: bool = True, progress: bool = True
 ) -> dict[tuple[int, str], InputStats]:
