@@ -38,7 +38,7 @@ def whitening_from_gram(gram: torch.Tensor) -> Whitening:
     tokens than channels) can pass Cholesky on round-off with a pivot near 1e-16, and
     S⁻¹ would then amplify noise by 1e8. Otherwise a diagonal shift of 1e-6·mean(diag G),
     grown tenfold until G + shift·I passes, is added and reported."""
-    g = gram.detach().to(torch.float64)  # statistics: no gradient flows through them
+    g = gram.to(torch.float64)
     scale = float(g.diagonal().mean().clamp_min(1e-30))
     eye = torch.eye(g.shape[0], dtype=g.dtype)
     shift = 0.0

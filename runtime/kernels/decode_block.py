@@ -110,19 +110,11 @@ class DecodeBlockLibrary:
         """``decode_norm_project``: x [m, h] += parts (in place), and the normed x times
         ``projection`` [m, its columns] (across ranks: a column group's down factors'
         shard, whose latent the ranks all-gather)."""
-        _check_rows(x, parts)
-        m, h = x.shape
-        if projection.in_width != h:
-            raise ValueError(f"decode block: projection of {projection.in_width} for x {h}")
-        out = torch.empty(m, projection.out_width)
-        pointers, strides = _pointers(parts)
-        failed = self.lib.decode_norm_project(
-            x.data_ptr(), m, h, pointers, strides, len(parts), norm[0].data_ptr(), norm[1],
-            projection.address, out.data_ptr(),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError(f"decode block: no scratch for {m} rows")
-        return out
+        if projection.in_width != x.shape[-1]:
+            raise ValueError(f"decode block: projection of {projection.in_width} for x {x.shape}")
+        return self._half(
+            "decode_norm_project", x, parts, norm, projection.out_width, projection.address
+        )
 
     def attention(
         self,
@@ -144,7 +136,7 @@ class DecodeBlockLibrary:
         [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
         ``o``: projections whose shapes the caller has checked."""
         _check_rows(x, parts)
-        (m, h), (n_heads, kv_heads, d) = x.shape, heads
+        m, (n_heads, kv_heads, d) = x.shape[0], heads
         cos, sin, half = rope
         k_rows, v_rows, new_slots, slots, lengths = cache
         tables = cos.numel() == sin.numel() == m * d and cos.is_contiguous() and sin.is_contiguous()
@@ -158,18 +150,12 @@ class DecodeBlockLibrary:
         )
         if not (fits and indexes):  # the slots' range: ``DenseDecodeCache`` checks it once
             raise ValueError(f"decode block: cache rows {tuple(k_rows.shape)}, want {want}")
-        out = torch.empty(m, o.out_width)
-        pointers, strides = _pointers(parts)
-        weight, eps = _norm(norm, parts)
-        failed = self.lib.decode_attention(
-            x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps,
+        return self._half(
+            "decode_attention", x, parts, norm, o.out_width,
             qkv.address, n_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), half,
             k_rows.data_ptr(), v_rows.data_ptr(), new_slots.data_ptr(), slots.data_ptr(),
-            slots.shape[1], lengths.data_ptr(), scale, o.address, out.data_ptr(),
+            slots.shape[1], lengths.data_ptr(), scale, o.address,
         )  # fmt: skip
-        if failed:
-            raise MemoryError(f"decode block: no scratch for {m} rows")
-        return out
 
     def mlp(
         self,
@@ -183,14 +169,29 @@ class DecodeBlockLibrary:
         """The MLP half (``decode_mlp``): x += parts (in place), and W_down's product of
         silu(gate) · up [m, down's columns]; ``inter``: this rank's MLP columns; ``norm``
         None as in ``attention``."""
+        return self._half(
+            "decode_mlp", x, parts, norm, down.out_width, gate_up.address, inter, down.address
+        )
+
+    def _half(
+        self,
+        entry: str,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float] | None,
+        out_width: int,
+        *arguments: object,
+    ) -> torch.Tensor:
+        """Call a half-block entry point (``_HALF``'s leading arguments: x, its summands,
+        the norm; then ``arguments``; then the output, [m, out_width], returned)."""
         _check_rows(x, parts)
         m, h = x.shape
-        out = torch.empty(m, down.out_width)
+        out = torch.empty(m, out_width)
         pointers, strides = _pointers(parts)
         weight, eps = _norm(norm, parts)
-        failed = self.lib.decode_mlp(
-            x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps,
-            gate_up.address, inter, down.address,
+        function = getattr(self.lib, entry)
+        failed = function(
+            x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps, *arguments,
             out.data_ptr(),
         )  # fmt: skip
         if failed:
