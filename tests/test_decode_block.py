@@ -184,7 +184,8 @@ def test_attention_half_equals_torch(
     seed=st.integers(0, 10_000),
 )
 def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_ranks, cut, seed):
-    """``cut`` as in the attention half's test."""
+    """``cut`` as in the attention half's test; the first summand a transposed view (as a
+    product computed as (W·aᵀ)ᵀ comes)."""
     gen = torch.Generator().manual_seed(seed)
     cut = cut if gate_up_ranks is not None else 0
 
@@ -192,6 +193,7 @@ def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_rank
         return torch.randn(*shape, generator=gen)
 
     x, summands = rand(m, hidden), [rand(m, hidden) for _ in range(parts)]
+    summands[:1] = [s.t().contiguous().t() for s in summands[:1]]
     norm_w = rand(hidden)
     if cut:
         gate_up_down, gate_up_proj, w_gate_up = _cut(gen, hidden, [inter, inter], gate_up_ranks[:2])

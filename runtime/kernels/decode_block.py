@@ -78,13 +78,16 @@ def _pointers(parts: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
     )
 
 
-def _check_rows(x: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """x [m, h] contiguous fp32 CPU; each part [m, h] fp32 with unit-stride rows."""
+def _checked_rows(x: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """x [m, h] contiguous fp32 CPU; each part [m, h] fp32, returned with unit-stride rows
+    (the kernel reads a summand row by row: a transposed view — a product the tuned
+    GEMM computes as (W·aᵀ)ᵀ — is copied)."""
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.is_cuda:
         raise ValueError(f"decode block: x must be a contiguous fp32 [m, h], found {x.shape}")
     for p in parts:
-        if p.shape != x.shape or p.dtype != torch.float32 or p.stride(1) != 1:
+        if p.shape != x.shape or p.dtype != torch.float32:
             raise ValueError(f"decode block: summand {tuple(p.shape)} for x {tuple(x.shape)}")
+    return [p if p.stride(1) == 1 else p.contiguous() for p in parts]
 
 
 def _norm(norm: tuple[torch.Tensor, float] | None, parts: list) -> tuple[int | None, float]:
@@ -135,7 +138,6 @@ class DecodeBlockLibrary:
         [m, d] or [m, 1, d], contiguous, half); ``cache``: (k_rows, v_rows [slots, KV, d], new_slots
         [m], slots [m, L], lengths [m], int64, every slot a row of the cache); ``qkv``,
         ``o``: projections whose shapes the caller has checked."""
-        _check_rows(x, parts)
         m, (n_heads, kv_heads, d) = x.shape[0], heads
         cos, sin, half = rope
         k_rows, v_rows, new_slots, slots, lengths = cache
@@ -184,7 +186,7 @@ class DecodeBlockLibrary:
     ) -> torch.Tensor:
         """Call a half-block entry point (``_HALF``'s leading arguments: x, its summands,
         the norm; then ``arguments``; then the output, [m, out_width], returned)."""
-        _check_rows(x, parts)
+        parts = _checked_rows(x, parts)
         m, h = x.shape
         out = torch.empty(m, out_width)
         pointers, strides = _pointers(parts)
