@@ -56,6 +56,8 @@ class BenchConfig:
     breakdown: bool = True  # the per-block communication breakdown
     # deinfer rows: layouts of the o/down up factors (RunnerConfig.up_layout), one row each
     up_layouts: tuple[str, ...] = ("auto",)
+    # deinfer rows: layouts of the column groups' down factors (EngineOptions.down_layout)
+    down_layouts: tuple[str, ...] = ("auto",)
     # deinfer rows: its matrices merged where predicted faster (optimized) or all latent
     # as in the paper; one row each
     layouts: tuple[str, ...] = ("optimized",)

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dsl import build_plan, load_spec
-from dsl.plan import UP_REPLICATED
+from dsl.plan import DOWN_SHARDED, UP_REPLICATED
 from runtime.dist.emulated_link import LinkSpec
 from tune.calibrate import calibrate, probe_compute, slowest_rank
 from tune.cost_model import (
@@ -163,26 +163,38 @@ class CostModelPlanner:
         )
 
     def _compute_ms(
-        self, spec: Any, tp: int, mode: str, cfg: Any, batch, rates: dict, layout=UP_REPLICATED
+        self,
+        spec: Any,
+        tp: int,
+        mode: str,
+        cfg: Any,
+        batch,
+        rates: dict,
+        layout=UP_REPLICATED,
+        down_layout=DOWN_SHARDED,
     ) -> float:
         """The roofline compute of one block (with its share of the LM head), unscaled."""
         dev = replace(self.profile, **rates)
-        mp = build_plan(spec, tp, modes=(mode,), up_layout=layout).modes[mode]
+        plan = build_plan(spec, tp, modes=(mode,), up_layout=layout, down_layout=down_layout)
+        mp = plan.modes[mode]
         work = bench_workload(cfg, batch)
         vocab_local = mp.lm_head_gather_elements // tp
         head = gemm_seconds(work.tokens, spec.model.hidden_size, vocab_local, mp.dtype_bytes, dev)
         return (predict_block(mp, dev, work).compute_s + head / mp.num_layers) * 1e3
 
-    def predict(self, spec: Any, v: Any, cfg: Any) -> dict[str, float]:
+    def predict(
+        self, spec: Any, v: Any, cfg: Any, down_layout: str = DOWN_SHARDED
+    ) -> dict[str, float]:
         """Per block, ms: compute (with the block's share of the LM head; roofline of the
         rates measured around ``v``'s runs, times the fitted scale), comm at the rate
-        measured across ``v``'s link, total."""
+        measured across ``v``'s link, total; ``down_layout`` as the engine resolved it."""
         # behind a link ``auto`` holds the up factors replicated (RunnerConfig.up_layout)
         layout = UP_REPLICATED if v.up_layout == "auto" else v.up_layout
         compute = self.compute_scale * self._compute_ms(
-            spec, v.tp, v.mode, cfg, v.batch, self._rates(v.label), layout
+            spec, v.tp, v.mode, cfg, v.batch, self._rates(v.label), layout, down_layout
         )
         dev = replace(self.profile, link_bytes_per_s=self.targets[v.link]["measured_bytes_per_s"])
-        mp = build_plan(spec, v.tp, modes=(v.mode,), up_layout=layout).modes[v.mode]
+        plan = build_plan(spec, v.tp, modes=(v.mode,), up_layout=layout, down_layout=down_layout)
+        mp = plan.modes[v.mode]
         comm = predict_block(mp, dev, bench_workload(cfg, v.batch)).comm_s * 1e3
         return {"compute_ms": compute, "comm_ms": comm, "total_ms": compute + comm}

@@ -32,6 +32,7 @@ def _key(var: dict[str, Any], **changes: Any) -> tuple:
         "link": var.get("link"),
         "up_layout": var.get("up_layout", "auto"),
         "layout": var.get("layout", "optimized"),
+        "down_layout": var.get("down_layout", "auto"),
         "threads": var.get("threads"),
         "alone": bool(var.get("alone")),
     }
@@ -48,6 +49,7 @@ _TRANSFORMERS = {
     "link": None,
     "up_layout": "auto",
     "layout": "optimized",
+    "down_layout": "auto",
     "threads": None,
     "alone": False,
 }
@@ -84,6 +86,7 @@ def add_ratios(results: dict[str, Any]) -> None:
 def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -> None:
     median = var["decode_tokens_per_s"]["median"]
     others = {"kv_cache": "dense", "up_layout": "auto", "layout": "optimized"}
+    others["down_layout"] = "auto"
     base = rates.get(_key(var, mode="base", **others))
     dense = rates.get(_key(var, mode="dense", **others))
     hf = rates.get(_key(var, **_TRANSFORMERS))
@@ -95,7 +98,7 @@ def _against_base_and_hf(var: dict[str, Any], rates: dict[tuple, list[float]]) -
     if dense:
         var["decode_speedup_vs_dense_per_rep"] = _paired(_rates(var), dense)
     if var["mode"] == "deinfer" and var.get("layout", "optimized") != "paper":
-        paper = rates.get(_key(var, layout="paper"))
+        paper = rates.get(_key(var, layout="paper", down_layout="auto"))
         var["decode_speedup_vs_paper_layout"] = median / statistics.median(paper) if paper else None
     var["decode_speedup_vs_hf"] = median / statistics.median(hf) if hf else None
     # llama.cpp at the row's thread count, where the bench ran it (tp 1 rows)

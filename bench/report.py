@@ -80,11 +80,17 @@ def _vs_tp1(v: dict[str, Any]) -> str:
 
 
 def _label(v: dict[str, Any]) -> str:
-    """The row's label, with the up layout an ``auto`` deinfer row resolved to."""
-    used = v.get("up_layout_used")
-    if v["mode"] != "deinfer" or v["tp"] == 1 or v.get("up_layout", "auto") != "auto" or not used:
+    """The row's label, with the up layout an ``auto`` deinfer row resolved to (and its
+    down layout where it holds the down factors whole)."""
+    if v["mode"] != "deinfer" or v["tp"] == 1:
         return v["label"]
-    return f"{v['label']} (up={used})"
+    resolved = []
+    up, down = v.get("up_layout_used"), v.get("down_layout_used")
+    if v.get("up_layout", "auto") == "auto" and up:
+        resolved.append(f"up={up}")
+    if v.get("down_layout", "auto") == "auto" and down == "replicated":  # not the paper's
+        resolved.append(f"down={down}")
+    return f"{v['label']} ({', '.join(resolved)})" if resolved else v["label"]
 
 
 def _header(latent: bool, scaling: bool, peer: bool = False) -> list[str]:

@@ -83,7 +83,7 @@ class LinkPlanner(Protocol):
 
     def probe(self, engine: Any, v: Variant) -> None: ...
 
-    def predict(self, spec: Any, v: Variant, cfg: BenchConfig) -> dict: ...
+    def predict(self, spec: Any, v: Variant, cfg: BenchConfig, down_layout: str) -> dict: ...
 
 
 FAST_LINK = "8000000000bit"  # far above what gloo over TCP carries here
@@ -136,6 +136,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         link=link if v.tp > 1 else None,
         link_hosts=v.hosts,  # set only on linked rows whose tp it divides
         up_layout=v.up_layout,
+        down_layout=v.down_layout,
         layout=v.layout,
         plan_batch=v.batch,  # the layout chosen for the row's decode batch
         pack_weights=cfg.pack_weights,
@@ -306,7 +307,8 @@ class _Session:
         row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
         row["start_seconds"] = self.start_seconds.get(v.engine)
         if self.planner and v.link:
-            row["predicted"] = self.planner.predict(self.specs[v.engine], v, self.cfg)
+            spec, down = self.specs[v.engine], row["down_layout_used"]
+            row["predicted"] = self.planner.predict(spec, v, self.cfg, down)
         return row
 
     def close(self) -> None:
@@ -377,6 +379,8 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         "gemm_forms": rank0("gemm_forms"),
         # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
         "up_layout_used": rank0("plan_up_layout"),
+        # ... and its column groups' down factors (split, or whole on every rank)
+        "down_layout_used": None if v.external else engine.plan.down_layout,
         # rank 0's start-up tuning: shapes, classes, timed, from the cache, seconds
         "tuning": None if v.external else asdict(rank0("tuning_report")),
         # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
@@ -389,6 +393,6 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
     if not v.external and cfg.breakdown and not v.alone:  # a rank alone has no collectives
         engine.workers.call("set_comm_stats", "timed")
         row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
-        planned = planned_elements(spec, v.mode, row["up_layout_used"])
+        planned = planned_elements(spec, v.mode, row["up_layout_used"], row["down_layout_used"])
         row["planned_elements_per_token_per_block"] = planned
     return row

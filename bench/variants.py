@@ -13,7 +13,7 @@ import torch
 from bench.config import BenchConfig
 from dsl import Spec, build_plan, with_ratio, with_runtime, with_tp
 from dsl.layout import OPTIMIZED
-from dsl.plan import UP_REPLICATED
+from dsl.plan import DOWN_SHARDED, UP_REPLICATED
 
 # The rows that run another program on the same weights: what a user would pick instead.
 EXTERNAL_MODES = ("hf", "llama.cpp")
@@ -35,6 +35,7 @@ class Variant:
     alone: bool = False
     hosts: int | None = None  # behind a link: emulated machines the ranks are spread over
     layout: str = OPTIMIZED  # deinfer's matrices merged as predicted faster, or the paper's
+    down_layout: str = "auto"  # deinfer's column groups' down factors (EngineOptions)
 
     @property
     def external(self) -> bool:
@@ -47,6 +48,7 @@ class Variant:
         kv = "" if self.external else f" kv={self.kv_cache}"
         kv += "" if self.up_layout == "auto" else f" up={self.up_layout}"
         kv += "" if self.layout == OPTIMIZED else f" layout={self.layout}"
+        kv += "" if self.down_layout == "auto" else f" down={self.down_layout}"
         ratio = "" if self.ratio is None else f" r{self.ratio:g}"
         batch = "" if self.batch is None else f" b{self.batch}"
         length = "" if self.max_seq_len is None else f" len{self.max_seq_len}"
@@ -71,6 +73,7 @@ class Variant:
             self.alone,
             self.hosts,
             self.layout,
+            self.down_layout,
         )
 
     @property
@@ -160,8 +163,10 @@ def variant_spec(base: Spec, v: Variant, cfg: BenchConfig) -> Spec:
     )
 
 
-def planned_elements(spec, mode: str, up_layout: str = UP_REPLICATED) -> dict[str, float]:
-    mp = build_plan(spec, up_layout=up_layout).modes[mode]
+def planned_elements(
+    spec, mode: str, up_layout: str = UP_REPLICATED, down_layout: str = DOWN_SHARDED
+) -> dict[str, float]:
+    mp = build_plan(spec, up_layout=up_layout, down_layout=down_layout).modes[mode]
     out: dict[str, float] = {}
     for lp in mp.layer_plans:
         for c in lp.collectives:
@@ -173,7 +178,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
     batches = cfg.batches or (None,)
     lengths = cfg.max_seq_lens or (None,)
     rows = [
-        Variant(m, kv, tp, r, b, n, link, up, threads, layout=layout)
+        Variant(m, kv, tp, r, b, n, link, up, threads, layout=layout, down_layout=down)
         for r in (cfg.ratios or (None,))
         for tp in cfg.tps
         for link in (cfg.links or (None,) if tp > 1 else (None,))
@@ -183,6 +188,7 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
         for b in batches
         for up in (cfg.up_layouts if m == "deinfer" else ("auto",))
         for layout in (cfg.layouts if m == "deinfer" else (OPTIMIZED,))
+        for down in (cfg.down_layouts if m == "deinfer" else ("auto",))
         for threads in (None, *(cfg.tp1_threads if tp == 1 else ()))
         if not (kv == "latent" and m != "deinfer")
     ]

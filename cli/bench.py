@@ -92,6 +92,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="deinfer rows: o/down up-factor layouts, e.g. auto,replicated,sharded",
     )
     p.add_argument(
+        "--down-layouts",
+        default=None,
+        help="deinfer rows: layouts of the column groups' down factors, e.g. "
+        "auto,sharded,replicated",
+    )
+    p.add_argument(
         "--layouts",
         default=None,
         help="deinfer rows: matrix layouts, e.g. optimized,paper (default optimized)",
@@ -205,6 +211,7 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "links": tuple(args.link) if args.link else None,
         "hosts": args.hosts,
         "up_layouts": tuple(args.up_layouts.split(",")) if args.up_layouts else None,
+        "down_layouts": tuple(args.down_layouts.split(",")) if args.down_layouts else None,
         "layouts": tuple(args.layouts.split(",")) if args.layouts else None,
         "rule": args.rule,
         "lockstep": True if args.lockstep else None,

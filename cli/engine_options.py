@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dsl.layout import LAYOUTS, OPTIMIZED
-from dsl.plan import MODES, UP_LAYOUTS
+from dsl.plan import DOWN_LAYOUTS, MODES, UP_LAYOUTS
 from runtime.dist.launcher import HEARTBEAT_S
 from runtime.engine.config import EngineOptions
 
@@ -40,6 +40,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="deinfer: hold the o/down up factors replicated (the paper) or sharded with an "
         "all-gather of the output; auto: sharded where the ranks share memory",
+    )
+    p.add_argument(
+        "--down-layout",
+        choices=("auto", *DOWN_LAYOUTS),
+        default="auto",
+        help="deinfer: split the column groups' down factors and all-gather the latent (the "
+        "paper), or hold them whole on every rank (no all-gather, more bytes); auto: the "
+        "optimized layout's cost model chooses (dynamic path)",
     )
     _add_layout_arguments(p)
     p.add_argument(
@@ -140,6 +148,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         tune_budget=args.tune_budget,
         tune_cache=args.tune_cache,
         up_layout=args.up_layout,
+        down_layout=args.down_layout,
         layout=args.layout,
         profile=args.profile,
         plan_batch=args.plan_batch,

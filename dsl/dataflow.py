@@ -12,6 +12,9 @@ from dsl.load import tp_error
 from dsl.plan import (
     ALL_GATHER,
     ALL_REDUCE,
+    DOWN_LAYOUTS,
+    DOWN_REPLICATED,
+    DOWN_SHARDED,
     MODES,
     UP_LAYOUTS,
     UP_REPLICATED,
@@ -39,19 +42,29 @@ def build_plan(
     tp: int | None = None,
     modes: tuple[str, ...] = MODES,
     up_layout: str = UP_REPLICATED,
+    down_layout: str = DOWN_SHARDED,
 ) -> Plan:
     """Plan ``spec`` at ``tp`` (default: the spec's) for each of ``modes``; ``up_layout``
-    is how deinfer holds the o/down up factors (``dsl.plan.UP_LAYOUTS``)."""
+    is how deinfer holds the o/down up factors (``dsl.plan.UP_LAYOUTS``), ``down_layout``
+    its column groups' down factors (``dsl.plan.DOWN_LAYOUTS``)."""
     tp = spec.parallel.tp if tp is None else tp
     if up_layout not in UP_LAYOUTS:
         raise SpecError("up_layout", f"must be one of {', '.join(UP_LAYOUTS)}, found {up_layout!r}")
+    if down_layout not in DOWN_LAYOUTS:
+        raise SpecError(
+            "down_layout", f"must be one of {', '.join(DOWN_LAYOUTS)}, found {down_layout!r}"
+        )
     error = tp_error(spec.model, tp) if tp >= 1 else f"must be at least 1, found {tp}"
     if error:
         raise SpecError("parallel.tp", error)
     for mode in modes:
         if mode not in MODES:
             raise SpecError("mode", f"must be one of {', '.join(MODES)}, found {mode!r}")
-    return Plan(spec=spec, tp=tp, modes={m: _mode_plan(spec, tp, m, up_layout) for m in modes})
+    return Plan(
+        spec=spec,
+        tp=tp,
+        modes={m: _mode_plan(spec, tp, m, up_layout, down_layout) for m in modes},
+    )
 
 
 def layer_plan_for(
@@ -62,20 +75,37 @@ def layer_plan_for(
     up_layout: str = UP_REPLICATED,
     layers: tuple[int, ...] = (),
     shape_id: str = "s0",
+    down_layout: str = DOWN_SHARDED,
 ) -> LayerPlan:
     """The plan of one layer shape on its own (``build_plan`` builds every shape's);
     what the layout choice (``tune.layout``) compares its candidates with."""
-    up_layout = up_layout if mode == "deinfer" and tp > 1 else UP_REPLICATED
-    deinfer = partial(_deinfer_layer, up_layout=up_layout)
+    up_layout, down_layout = _deinfer_layouts(mode, tp, up_layout, down_layout)
+    deinfer = partial(_deinfer_layer, up_layout=up_layout, down_layout=down_layout)
     builder = {"deinfer": deinfer, "base": _base_layer, "dense": _dense_layer}[mode]
     return builder(model, shape, layers, tp, shape_id)
 
 
-def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str) -> ModePlan:
+def _deinfer_layouts(mode: str, tp: int, up_layout: str, down_layout: str) -> tuple[str, str]:
+    """The layouts as planned: on one rank, or outside deinfer, nothing is split."""
+    if mode == "deinfer" and tp > 1:
+        return up_layout, down_layout
+    return UP_REPLICATED, DOWN_SHARDED
+
+
+def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str, down_layout: str) -> ModePlan:
     model = spec.model
-    up_layout = up_layout if mode == "deinfer" and tp > 1 else UP_REPLICATED
+    up_layout, down_layout = _deinfer_layouts(mode, tp, up_layout, down_layout)
     layer_plans = tuple(
-        layer_plan_for(model, shape, tp, mode, up_layout, spec.layers_of_shape(shape), f"s{i}")
+        layer_plan_for(
+            model,
+            shape,
+            tp,
+            mode,
+            up_layout,
+            spec.layers_of_shape(shape),
+            f"s{i}",
+            down_layout,
+        )
         for i, shape in enumerate(spec.layer_shapes())
     )
     h, vocab_local = model.hidden_size, pad_to(model.vocab_size, tp) // tp
@@ -95,6 +125,7 @@ def _mode_plan(spec: Spec, tp: int, mode: str, up_layout: str) -> ModePlan:
         num_heads=model.num_heads,
         dtype_bytes=DTYPE_BYTES[spec.runtime.dtype],
         up_layout=up_layout,
+        down_layout=down_layout,
     )
 
 
@@ -129,21 +160,27 @@ def _bias_factor(model: ModelConfig, name: str, split: str, ranges, out: int) ->
 class _DeinferBlock:
     """Collects one deinfer layer's factor shards, concat-splits and collectives."""
 
-    def __init__(self, model: ModelConfig, shape: LayerRanks, tp: int, up_layout: str) -> None:
+    def __init__(
+        self, model: ModelConfig, shape: LayerRanks, tp: int, up_layout: str, down_layout: str
+    ) -> None:
         self.model, self.shape, self.tp, self.up_layout = model, shape, tp, up_layout
+        self.whole_downs = down_layout == DOWN_REPLICATED
         self.factors: list[FactorShard] = []
         self.concats: list[ConcatSplit] = []
         self.collectives: list[Collective] = []
 
     def column_group(self, group: str, names: tuple[str, ...], out_ranges: dict) -> None:
-        """First sub-layer: concat-split down factors, all-gather, sharded up factors."""
+        """First sub-layer: concat-split down factors, all-gather (none where every rank
+        holds the down factors whole), sharded up factors."""
         model, shape = self.model, self.shape
         decomposed = tuple(n for n in names if shape.is_decomposed(n))
         if decomposed:
             members = tuple((n, shape.rank(n)) for n in decomposed)
-            cat = ConcatSplit(group, members, model.matrix_shape(decomposed[0])[0], self.tp)
+            n_in = model.matrix_shape(decomposed[0])[0]
+            cat = ConcatSplit(group, members, n_in, self.tp, whole=self.whole_downs)
             self.concats.append(cat)
-            self.collectives.append(Collective(ALL_GATHER, f"{group}_latent", cat.padded))
+            if not cat.whole:
+                self.collectives.append(Collective(ALL_GATHER, f"{group}_latent", cat.padded))
         for n in names:
             n_in, n_out = model.matrix_shape(n)
             if shape.is_decomposed(n):
@@ -177,9 +214,15 @@ class _DeinferBlock:
 
 
 def _deinfer_layer(
-    model: ModelConfig, shape: LayerRanks, layers, tp: int, shape_id: str, up_layout: str
+    model: ModelConfig,
+    shape: LayerRanks,
+    layers,
+    tp: int,
+    shape_id: str,
+    up_layout: str,
+    down_layout: str,
 ) -> LayerPlan:
-    block = _DeinferBlock(model, shape, tp, up_layout)
+    block = _DeinferBlock(model, shape, tp, up_layout, down_layout)
     m_ranges = even_ranges(model.intermediate_size, tp)
     qkv = ("q", "k", "v")
     block.column_group("attn", qkv, {n: _cols_by_heads(model, n, tp) for n in qkv})

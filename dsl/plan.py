@@ -11,7 +11,9 @@ Modes:
   factors sharded by heads / columns of m, row-parallel o/down down-factors with an
   all-reduce of width r, then the o/down up-factors either replicated (the paper's
   layout, ``UP_REPLICATED``) or split by output columns and their outputs all-gathered
-  (``UP_SHARDED``: fewer weight bytes per rank for one more collective each).
+  (``UP_SHARDED``: fewer weight bytes per rank for one more collective each); the
+  column groups' down factors split (the paper) or whole on every rank
+  (``DOWN_REPLICATED``: no latent all-gather, for more weight bytes per rank).
 * ``base`` — naive TP: every factor pair is a Megatron pair with an all-reduce of
   the full output (7 per block); every rank computes all heads.
 * ``dense`` — undecomposed Megatron TP (the products D·U): 2 all-reduces of h.
@@ -33,6 +35,11 @@ ALL_GATHER, ALL_REDUCE = "all_gather", "all_reduce"
 # How deinfer lays out the up factors of o and down (fc2), after the all-reduce in r.
 UP_REPLICATED, UP_SHARDED = "replicated", "sharded"
 UP_LAYOUTS = (UP_REPLICATED, UP_SHARDED)
+# How deinfer lays out a column group's concatenated down factors: split by columns, the
+# latent all-gathered (the paper), or whole on every rank, each computing the whole
+# latent (no all-gather, for the down factors' bytes on every rank).
+DOWN_SHARDED, DOWN_REPLICATED = "sharded", "replicated"
+DOWN_LAYOUTS = (DOWN_SHARDED, DOWN_REPLICATED)
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class ModePlan:
     num_heads: int
     dtype_bytes: int
     up_layout: str = UP_REPLICATED  # deinfer's o/down up factors (UP_LAYOUTS)
+    down_layout: str = DOWN_SHARDED  # deinfer's column groups' down factors (DOWN_LAYOUTS)
 
     def layer_plan(self, ranks: LayerRanks) -> LayerPlan:
         """The plan of a layer with these ranks (layers of equal ranks share one)."""

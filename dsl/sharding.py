@@ -92,12 +92,15 @@ class Segment:
 class ConcatSplit:
     """Down factors concatenated along the rank dimension and split evenly by columns
     (DeInfer's "concat-split"): one all-gather then yields the full latent in the
-    natural order ``[z_q | z_k | z_v]``."""
+    natural order ``[z_q | z_k | z_v]``. ``whole``: every rank holds the whole
+    concatenation instead and computes the whole latent itself (no all-gather; the
+    down factors' bytes on every rank)."""
 
     name: str  # "attn" | "mlp"
     members: tuple[tuple[str, int], ...]  # (matrix, rank) in concat order
     in_features: int
     tp: int
+    whole: bool = False
 
     @property
     def length(self) -> int:
@@ -105,7 +108,7 @@ class ConcatSplit:
 
     @property
     def padded(self) -> int:
-        return pad_to(self.length, self.tp)
+        return self.length if self.whole else pad_to(self.length, self.tp)
 
     @property
     def padding(self) -> int:
@@ -114,10 +117,12 @@ class ConcatSplit:
     @property
     def width(self) -> int:
         """Columns per rank (padding included); the all-gather chunk size."""
-        return self.padded // self.tp
+        return self.padded if self.whole else self.padded // self.tp
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
+        if self.whole:
+            return tuple((0, self.length) for _ in range(self.tp))
         return even_ranges(self.length, self.tp)
 
     def member_offset(self, member: str) -> int:

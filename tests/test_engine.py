@@ -134,6 +134,38 @@ def test_native_block_across_ranks_in_mixed_layouts(model, monkeypatch, merged, 
     assert [o.token_ids for o in outs] == want
 
 
+@pytest.mark.parametrize("up", ["replicated", "sharded"])
+@pytest.mark.parametrize("kv", ["dense", "latent"])
+def test_whole_down_factors_need_no_latent_all_gather(model, kv, up):
+    """The column groups' down factors whole on every rank (``down_layout``
+    replicated): each rank computes the whole latent, no all-gather of it; same greedy
+    tokens, and the native block covers the dense-cache layers in one call per half."""
+    spec_path, ckpt, want = model
+    options = {"kv_cache": kv, "path": "dynamic", "up_layout": up, "layout": "paper"}
+    with LLM(spec_path, ckpt, tp=2, down_layout="replicated", **options) as llm:
+        assert llm.facts.down_layout == "replicated" and all(
+            c.whole for c in llm.plan.layer_plans[0].concats
+        )
+        blocks = CONFIG["num_hidden_layers"] if kv == "dense" else 0
+        assert llm.workers.call("decode_block_layers") == [blocks] * 2
+        llm.workers.call("set_comm_stats", "count")
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        stats = llm.workers.call("take_comm_stats")[0]
+    assert [o.token_ids for o in outs] == want
+    # block collectives: the two all-reduces in r, and the up factors' output gathers
+    # where they are split; no latent all-gather
+    layers, steps = CONFIG["num_hidden_layers"], stats["all_reduce"][0]
+    assert steps % (2 * layers) == 0
+    gathers = stats.get("all_gather", (0,))[0]
+    assert gathers == (steps if up == "sharded" else 0), stats
+
+
+def test_whole_down_factors_need_the_dynamic_path(model):
+    spec_path, ckpt, _ = model
+    with pytest.raises(UserError, match="down_layout replicated needs the dynamic path"):
+        LLM(spec_path, ckpt, tp=2, path="static", down_layout="replicated")
+
+
 @pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize("kv", ["dense", "latent"])
 def test_chunked_prefill(model, kv, path):

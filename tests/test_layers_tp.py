@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from codegen.generate import generate, write_atomically
 from dsl import build_plan, parse_spec
-from dsl.plan import UP_SHARDED
+from dsl.plan import UP_REPLICATED, UP_SHARDED
 from runtime.dist.launcher import WorkerGroup
 from runtime.kernels.reference import apply_norm, rope_inplace
 from runtime.model.rope import inv_freq
 from tests.conftest import TP_EXAMPLES
 from tests.strategies import spec_dicts
-from tests.tp_workers import run_layers, run_parts
+from tests.tp_workers import down_layout_of, run_layers, run_parts
 
 # fp32 throughout; the sharded sums run in another order than the reference's.
 TOL = 2e-4
@@ -35,6 +35,9 @@ RUNS = (
     ("deinfer", "torch", UP_SHARDED),
     ("deinfer", "triton", UP_SHARDED),
     ("deinfer", "eager", UP_SHARDED),
+    # the column groups' down factors whole on every rank: no latent all-gather
+    ("deinfer", "eager", UP_REPLICATED, "whole_downs"),
+    ("deinfer", "eager", UP_SHARDED, "whole_downs"),
 )
 
 
@@ -158,7 +161,7 @@ def test_sharded_layers_equal_unsharded_reference(groups, tmp_path_factory, raw,
     per_rank = groups(tp).run(run_layers, text, str(folder), layers, x, positions, RUNS)
     for run in RUNS:
         mode, _, layout = run_parts(run)
-        plan = build_plan(spec, up_layout=layout)
+        plan = build_plan(spec, up_layout=layout, down_layout=down_layout_of(run))
         outs = [r[run] for r in per_rank]
         for rank, (h, elements, captured) in enumerate(outs):
             err = (h - want).abs().max().item()

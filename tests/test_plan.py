@@ -12,7 +12,15 @@ import yaml
 from hypothesis import given
 
 from dsl import SpecError, build_plan, load_spec, parse_spec
-from dsl.plan import ALL_GATHER, ALL_REDUCE, UP_REPLICATED, UP_SHARDED, LayerPlan
+from dsl.plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    DOWN_REPLICATED,
+    DOWN_SHARDED,
+    UP_REPLICATED,
+    UP_SHARDED,
+    LayerPlan,
+)
 from dsl.ranks import rank_from_ratio
 from dsl.report import plan_json
 from dsl.sharding import COLS, REPLICATED, ROWS
@@ -109,15 +117,17 @@ def _assert_tiles(plan_layer: LayerPlan, model: ModelConfig, tp: int) -> None:
         real = [hi - lo for lo, hi in (f.real_range(i) for i in range(tp))]
         assert max(real) - min(real) <= f.padded - f.length, f.tensor
     for c in plan_layer.concats:
-        assert c.padded % tp == 0 and 0 <= c.padding < tp
-        assert _coverage(c.ranges, c.padded) == [1] * c.padded
-        # The segments of all ranks hold every row of every member exactly once.
+        # split: each column on one rank, padded to tp; whole: every rank holds all
+        assert c.padding == 0 if c.whole else c.padded % tp == 0 and 0 <= c.padding < tp
+        copies = tp if c.whole else 1
+        assert _coverage(c.ranges, c.padded) == [copies] * c.padded
+        # The segments of all ranks hold every row of every member once (per copy).
         rows = Counter()
         for rank in range(tp):
             for seg in c.segments(rank):
                 rows.update((seg.member, j) for j in range(seg.src_start, seg.src_stop))
                 assert seg.dst_start >= 0 and seg.dst_start + seg.width <= c.width
-        assert rows == Counter((n, j) for n, r in c.members for j in range(r))
+        assert rows == Counter({(n, j): copies for n, r in c.members for j in range(r)})
 
 
 # --- simulation: every rank in numpy, collectives derived from the shards ---------------
@@ -179,7 +189,11 @@ class _Sim:
                         :, s.src_start : s.src_stop
                     ]
                 chunks.append(x @ d_local)
-            latent = self.all_gather(chunks)
+            if cat.whole:  # every rank computed the whole latent itself
+                assert all(np.array_equal(c, chunks[0]) for c in chunks)
+                latent = chunks[0]
+            else:
+                latent = self.all_gather(chunks)
         outs = []
         for rank in range(self.tp):
             local = {}
@@ -298,8 +312,9 @@ def test_shards_tile_and_collectives_match_simulation(raw):
     tp = spec.parallel.tp
     plan = build_plan(spec)
     sharded = build_plan(spec, modes=("deinfer",), up_layout=UP_SHARDED).modes["deinfer"]
+    whole = build_plan(spec, modes=("deinfer",), down_layout=DOWN_REPLICATED).modes["deinfer"]
     rng = np.random.default_rng(0)
-    for mode, mp in [*plan.modes.items(), ("deinfer", sharded)]:
+    for mode, mp in [*plan.modes.items(), ("deinfer", sharded), ("deinfer", whole)]:
         assert sum(len(lp.layers) for lp in mp.layer_plans) == spec.model.num_layers
         for lp in mp.layer_plans:
             _assert_tiles(lp, spec.model, tp)
@@ -326,6 +341,25 @@ def test_sharded_up_layout_trades_weight_bytes_for_two_all_gathers():
     assert o_up.split == COLS and o_up.local_shape(0) == (4916, 1024)
     # tp 1 has nothing to split: the plan is the replicated one
     assert build_plan(spec, tp=1, up_layout=UP_SHARDED).modes["deinfer"].up_layout == UP_REPLICATED
+
+
+def test_whole_down_factors_trade_weight_bytes_for_the_latent_all_gathers():
+    """llama3-70b at 40%, tp 8, down factors whole on every rank: no all-gather of
+    either latent (the two all-reduces in r are all that is left), the concatenations
+    8x wider per rank; one rank holds the same down factors as tp 1."""
+    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
+    split = build_plan(spec, tp=8).modes["deinfer"]
+    whole = build_plan(spec, tp=8, down_layout=DOWN_REPLICATED).modes["deinfer"]
+    assert whole.down_layout == DOWN_REPLICATED
+    assert [c.kind for c in whole.layer_plans[0].collectives] == [ALL_REDUCE, ALL_REDUCE]
+    for a, b in zip(split.layer_plans[0].concats, whole.layer_plans[0].concats, strict=True):
+        assert b.whole and b.width == b.length == a.length and a.width == a.padded // 8
+    extra = sum(c.in_features * (c.length - c.width) for c in split.layer_plans[0].concats)
+    assert whole.weight_elements_per_rank() - split.weight_elements_per_rank() == extra * 80
+    one = build_plan(spec, tp=1, down_layout=DOWN_REPLICATED).modes["deinfer"]
+    assert one.down_layout == DOWN_SHARDED and not one.layer_plans[0].concats[0].whole
+    with pytest.raises(SpecError, match="down_layout: must be one of sharded, replicated"):
+        build_plan(spec, down_layout="diagonal")
 
 
 def test_unknown_up_layout_names_the_field():

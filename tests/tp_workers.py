@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from codegen import generated_folder
 from dsl import build_plan, parse_spec
 from dsl.layout import with_merged
-from dsl.plan import UP_REPLICATED
+from dsl.plan import DOWN_REPLICATED, DOWN_SHARDED, UP_REPLICATED
 from runtime.dist.comm import Comm
 from runtime.kernels.loader import load_generated
 from runtime.model.execution import execution_for
@@ -56,13 +56,19 @@ def execution_plan(spec, world, run):
     ``mixed_merges`` (the optimized layout's machinery on a fixed choice)."""
     mode, _, layout = run_parts(run)
     executed = with_merged(spec, mixed_merges(spec)) if "mixed" in run[3:] else spec
-    return executed, build_plan(executed, tp=world, up_layout=layout).modes[mode]
+    plan = build_plan(executed, tp=world, up_layout=layout, down_layout=down_layout_of(run))
+    return executed, plan.modes[mode]
 
 
 def run_parts(run: tuple[str, ...]) -> tuple[str, str, str]:
     """(mode, backend[, up layout]) -> (mode, backend, up layout), replicated by default."""
     mode, backend, layout = (*run, UP_REPLICATED)[:3]
     return mode, backend, layout
+
+
+def down_layout_of(run: tuple[str, ...]) -> str:
+    """``"whole_downs"`` in ``run``: every rank holds the column groups' down factors."""
+    return DOWN_REPLICATED if "whole_downs" in run[3:] else DOWN_SHARDED
 
 
 def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
@@ -78,7 +84,7 @@ def run_layers(rank, world, spec_text, folder, full_layers, x, positions, runs):
     results = {}
     for run in runs:
         mode, backend, layout = run_parts(run)
-        plan = build_plan(spec, tp=world, up_layout=layout)
+        plan = build_plan(spec, tp=world, up_layout=layout, down_layout=down_layout_of(run))
         comm = Comm(count=True)
         captured: list = []
         execution = execution_for(spec.model, registry, backend)

@@ -110,10 +110,11 @@ def _gather_choice(lp: LayerPlan, tp: int, work: Workload, dev: DeviceProfile, b
     chunk GEMM). One all-gather moves the same bytes in the same t−1 steps but is one
     call, and cannot hide behind the GEMM. So the ring wins once a chunk's GEMM is
     worth more than the calls it costs: at large batches, not at small ones."""
-    if tp == 1 or not lp.concats:
+    gathered = [cat for cat in lp.concats if not cat.whole]
+    if tp == 1 or not gathered:
         return "-"
     ring = single = 0.0
-    for cat in lp.concats:
+    for cat in gathered:
         members = {name for name, _ in cat.members}
         up = sum(
             gemm_seconds(work.tokens, *f.local_shape(0), b, dev)

@@ -8,6 +8,12 @@ column group whose members are all merged has no latent all-gather; a merged o o
 all-reduces its output, Megatron's one all-reduce of h). Ties go to fewer weight bytes
 per rank, then to fewer merged matrices. A latent KV cache needs k and v latent:
 ``keep_latent_kv`` keeps them so where the user asked for that cache.
+
+Across ranks the column groups' down factors are split (the paper: the latent
+all-gathered) or whole on every rank (no all-gather, more bytes): ``choose_down_layout``
+takes the one whose best layout predicts the shorter step — whole where a collective's
+per-call cost outweighs streaming the down factors (behind a slow link), split where
+memory bandwidth is dearer.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from itertools import combinations
 
 from dsl.dataflow import build_plan, layer_plan_for
 from dsl.layout import Merges, merged_ranks
-from dsl.plan import UP_REPLICATED, ModePlan
+from dsl.plan import DOWN_LAYOUTS, DOWN_SHARDED, UP_REPLICATED, ModePlan
 from dsl.spec import LayerRanks, Spec
 from tune.cost_model import Workload, layer_seconds
 from tune.profiles import DeviceProfile
@@ -57,7 +63,14 @@ class _ShapeCosts:
     def cost(self, merged: frozenset[str]) -> tuple[float, int]:
         if merged not in self.cache:
             ranks = merged_ranks(self.shape, merged)
-            lp = layer_plan_for(self.spec.model, ranks, self.mp.tp, "deinfer", self.up_layout)
+            lp = layer_plan_for(
+                self.spec.model,
+                ranks,
+                self.mp.tp,
+                "deinfer",
+                self.up_layout,
+                down_layout=self.mp.down_layout,
+            )
             self.cache[merged] = (
                 layer_seconds(lp, self.mp, self.dev, self.work),
                 lp.weight_elements(),
@@ -110,9 +123,11 @@ def choose_layout(
     tp: int | None = None,
     up_layout: str = UP_REPLICATED,
     keep_latent_kv: bool = False,
+    down_layout: str = DOWN_SHARDED,
 ) -> tuple[ShapeChoice, ...]:
     """Each layer shape's choice for ``spec`` at ``tp`` (default: the spec's)."""
-    mp = build_plan(spec, tp, modes=("deinfer",), up_layout=up_layout).modes["deinfer"]
+    plan = build_plan(spec, tp, modes=("deinfer",), up_layout=up_layout, down_layout=down_layout)
+    mp = plan.modes["deinfer"]
     return tuple(
         choose_shape(spec, mp, shape, dev, work, keep_latent_kv) for shape in spec.layer_shapes()
     )
@@ -121,3 +136,26 @@ def choose_layout(
 def merges_of(choices: tuple[ShapeChoice, ...]) -> Merges:
     """The layout ``dsl.layout.with_merged`` takes: shape → merged matrices."""
     return {c.shape: c.merged for c in choices if c.merged}
+
+
+def predicted_step_s(choices: tuple[ShapeChoice, ...]) -> float:
+    """The layers' predicted time per decode step under ``choices``."""
+    return sum(c.seconds * len(c.layers) for c in choices)
+
+
+def choose_down_layout(
+    spec: Spec,
+    dev: DeviceProfile,
+    work: Workload,
+    tp: int | None = None,
+    up_layout: str = UP_REPLICATED,
+    keep_latent_kv: bool = False,
+) -> tuple[str, tuple[ShapeChoice, ...]]:
+    """The column groups' down layout whose best layout predicts the shorter step (ties:
+    split, fewer bytes), and that layout's choices."""
+    options = {
+        down: choose_layout(spec, dev, work, tp, up_layout, keep_latent_kv, down)
+        for down in DOWN_LAYOUTS
+    }
+    best = min(DOWN_LAYOUTS, key=lambda down: predicted_step_s(options[down]))
+    return best, options[best]

@@ -3,7 +3,7 @@
 ``EngineOptions`` is every option of an engine as the user gives it (the Python API, the
 command line, the server and the benchmark all build one); ``resolve`` turns it, on this
 machine, into the facts every part then reads (``EngineFacts``: execution path, kernels,
-threads, KV cache, shared-memory collectives, deinfer's up layout) — each rule defined
+threads, KV cache, shared-memory collectives, deinfer's up and down layouts) — each rule defined
 here and nowhere else; ``RunnerConfig`` is what each rank receives: the spec, the plan
 built once with those facts, and both of the above."""
 
@@ -17,14 +17,22 @@ import torch
 from dsl import MODES, Spec
 from dsl.errors import UserError
 from dsl.layout import LAYOUTS, OPTIMIZED, Merges
-from dsl.plan import UP_LAYOUTS, UP_REPLICATED, UP_SHARDED, ModePlan
+from dsl.plan import (
+    DOWN_LAYOUTS,
+    DOWN_REPLICATED,
+    DOWN_SHARDED,
+    UP_LAYOUTS,
+    UP_REPLICATED,
+    UP_SHARDED,
+    ModePlan,
+)
 from runtime.dist import shm_collectives
 from runtime.dist.emulated_link import LinkSpec
 from runtime.dist.launcher import HEARTBEAT_S
 from runtime.dist.torchrun_group import under_torchrun
 from runtime.kernels import BACKENDS
 from tune.cost_model import Workload
-from tune.layout import choose_layout, merges_of
+from tune.layout import choose_down_layout, choose_layout, merges_of
 from tune.profiles import DeviceProfile, load_profile
 
 PATHS = ("static", "dynamic")
@@ -41,6 +49,9 @@ class EngineOptions:
     kv_cache: str | None = None  # dense | latent | auto; None: the spec's
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
+    # deinfer's column groups' down factors: auto (the optimized layout's cost model
+    # chooses; the paper layout splits them) | dsl.plan.DOWN_LAYOUTS
+    down_layout: str = "auto"
     # deinfer's matrices: optimized (each merged or latent, as the cost model predicts
     # faster: tune.layout) | paper (every decomposed matrix latent, the paper's dataflow)
     layout: str = OPTIMIZED
@@ -96,6 +107,7 @@ class EngineFacts:
     link: LinkSpec | None
     merges: Merges = field(default_factory=dict)  # deinfer's merged matrices per shape
     shared_cores: bool = False  # more ranks than this process's cores: they take turns
+    down_layout: str = DOWN_SHARDED  # deinfer's column groups' down factors
 
     @property
     def static(self) -> bool:
@@ -162,6 +174,16 @@ def _check(options: EngineOptions, kv: str) -> None:
         raise UserError(
             f"up_layout must be auto or one of {', '.join(UP_LAYOUTS)}, found {options.up_layout!r}"
         )
+    if options.down_layout != "auto" and options.down_layout not in DOWN_LAYOUTS:
+        raise UserError(
+            f"down_layout must be auto or one of {', '.join(DOWN_LAYOUTS)}, "
+            f"found {options.down_layout!r}"
+        )
+    if options.down_layout == DOWN_REPLICATED and options.path == "static":
+        raise UserError(
+            "down_layout replicated needs the dynamic path (the static path's generated "
+            "kernels take the split down factors)"
+        )
     if options.backend is not None and options.backend not in BACKENDS:
         raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {options.backend!r}")
     if options.mode not in MODES:
@@ -201,9 +223,11 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     shared = uses_shared_memory(options.shm_collectives, tp, link)
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)
-    merges = planned_merges(options, spec, kv, layout, link)
+    merges, down = planned_layout(options, spec, kv, layout, link, path)
     shared_cores = tp > usable_cores()
-    return EngineFacts(path, kernels, kv, threads, shared, layout, link, merges, shared_cores)
+    return EngineFacts(
+        path, kernels, kv, threads, shared, layout, link, merges, shared_cores, down
+    )  # fmt: skip
 
 
 def layout_profile(name: str | None, link: LinkSpec | None) -> DeviceProfile:
@@ -219,19 +243,32 @@ def layout_profile(name: str | None, link: LinkSpec | None) -> DeviceProfile:
     )
 
 
-def planned_merges(
-    options: EngineOptions, spec: Spec, kv: str, up_layout: str, link: LinkSpec | None
-) -> Merges:
-    """deinfer's optimized layout for ``spec``: what ``tune.layout`` predicts fastest at
-    ``plan_batch`` decode rows over half the longest context (nothing merged under the
-    paper's layout or in the other modes; k and v kept latent for a latent cache)."""
+def planned_layout(
+    options: EngineOptions,
+    spec: Spec,
+    kv: str,
+    up_layout: str,
+    link: LinkSpec | None,
+    path: str = "dynamic",
+) -> tuple[Merges, str]:
+    """deinfer's optimized layout for ``spec``: the matrices merged per shape and the
+    column groups' down layout, as ``tune.layout`` predicts fastest at ``plan_batch``
+    decode rows over half the longest context (nothing merged under the paper's layout
+    or in the other modes; k and v kept latent for a latent cache). ``auto`` down
+    factors are split on the static path (its generated kernels take them split) and
+    under the paper's layout."""
+    down = DOWN_SHARDED if options.down_layout == "auto" else options.down_layout
     if options.mode != "deinfer" or options.layout != OPTIMIZED:
-        return {}
+        return {}, down
     rt = spec.runtime
     work = Workload(options.plan_batch or rt.max_batch_size, rt.max_seq_len // 2, kv)
     dev = layout_profile(options.profile, link)
-    choices = choose_layout(spec, dev, work, up_layout=up_layout, keep_latent_kv=kv == "latent")
-    return merges_of(choices)
+    keep = kv == "latent"
+    if options.down_layout == "auto" and path == "dynamic" and spec.parallel.tp > 1:
+        down, choices = choose_down_layout(spec, dev, work, None, up_layout, keep)
+    else:
+        choices = choose_layout(spec, dev, work, None, up_layout, keep, down)
+    return merges_of(choices), down
 
 
 @dataclass(frozen=True)

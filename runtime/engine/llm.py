@@ -79,7 +79,12 @@ class LLM:
         for shape, names in self.facts.merges.items():
             layers = layer_ranges(self.spec.layers_of_shape(shape))
             log.info("layers %s run %s merged (D·U)", layers, ", ".join(sorted(names)))
-        plan = build_plan(self.execution_spec, modes=(mode,), up_layout=self.facts.up_layout)
+        plan = build_plan(
+            self.execution_spec,
+            modes=(mode,),
+            up_layout=self.facts.up_layout,
+            down_layout=self.facts.down_layout,
+        )
         self.plan = plan.modes[mode]
         self.blocks, self.scheduler = self._scheduler()
         config = RunnerConfig(

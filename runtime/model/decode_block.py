@@ -16,6 +16,7 @@ column group's down factors' shard is one call (``ColumnProjection.first``), the
 all-gather its latent, and the rest of the half runs from that latent (its up factors,
 ``ColumnProjection.ups``); a low-rank row projection ends at its down factor's shard
 (the latent of width r, which the layer all-reduces and multiplies by the up factor).
+A column group whose down factors every rank holds whole is one call, as on one rank.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ def _projection(
         return Projection(first.copy, first.shape[1])
     ranks = sum(u.shape[0] for u in ups)
     factors = tuple((u.copy, *u.shape) for u in ups)
-    if not across:  # one call: the latent stays in the call's scratch
+    # one call where this rank's down factors give the whole latent (one rank, or the
+    # down factors whole on every rank): the latent stays in the call's scratch
+    if not across or first.shape[1] == ranks:
         if first.shape[1] != ranks:
             return None
         whole = Projection(first.copy, first.shape[1], factors)

@@ -62,15 +62,16 @@ class DeinferLayer(DecoderLayer):
         return x, [self.mlp_block(x, batch)]
 
     def gemm_only(self) -> set[str]:
-        """Not the up factors of a concat group across ranks (the ring multiplies row
-        slices of them, whenever a latent goes round it) unless the native decode block
+        """Not the up factors of a split concat group across ranks (the ring multiplies
+        row slices of them, whenever a latent goes round it) unless the native decode block
         multiplies them (the layer then gathers its latents whole), nor a latent cache's
         k and v up factors (its decode reads them: ``runtime.model.eager_attention``)."""
         kept = set()
         if self.s.comm.world > 1 and not self.decode_block_matrices():
             for group in ("attn", "mlp"):
                 cat = self.s.plan.concat(group)
-                kept |= {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
+                if cat is not None and not cat.whole:
+                    kept |= {f"{n}.u" for n, _ in cat.members}
         if self.s.latent_cache:
             kept |= {"k.u", "v.u"}
         return super().gemm_only() - kept
@@ -99,7 +100,10 @@ class DeinferLayer(DecoderLayer):
                 self.w(f"{norm}.weight"),
                 self.w(f"{norm}.bias"),
             )
-            if self.s.execution.gathers_whole(self.s.comm, z) or self.ups_released(cat):
+            if cat.whole:  # every rank computed the whole latent
+                latent = z
+                outs = self.whole_latent_up(cat, latent, names, batch)
+            elif self.s.execution.gathers_whole(self.s.comm, z) or self.ups_released(cat):
                 latent = self.s.comm.all_gather_columns(z)
                 outs = self.whole_latent_up(cat, latent, names, batch)
             else:
