@@ -9,8 +9,9 @@ import sys
 from dataclasses import replace
 
 import pytest
+import yaml
 
-from dsl import build_plan, load_spec
+from dsl import build_plan, load_spec, parse_spec
 from dsl.errors import UserError
 from dsl.plan import DOWN_REPLICATED, DOWN_SHARDED, UP_REPLICATED, UP_SHARDED
 from tests.conftest import REPO, SPECS
@@ -22,7 +23,7 @@ from tune.cost_model import (
     predict_block,
     predicted_faster_up_layout,
 )
-from tune.layout import choose_down_layout, choose_layout, predicted_step_s
+from tune.layout import choose_layout, predicted_step_s
 from tune.profiles import DeviceProfile, builtin_profiles, load_profile
 from tune.table5 import FIT, PUBLISHED, TOLERANCE, reproduce
 
@@ -109,19 +110,22 @@ def test_up_factors_split_on_a_free_link_and_replicated_on_a_slow_one():
     assert shard.collectives == rep.collectives + 2
 
 
-def test_down_factors_whole_behind_a_slow_link_and_split_on_a_free_one():
+def test_whole_down_factors_predicted_faster_only_where_a_call_costs_much():
     """Holding the column groups' down factors whole saves the two latent all-gathers per
-    block for their bytes on every rank: worth it when each call costs much (latency),
-    not when the link is free; the chosen layout's plan has no latent all-gather."""
-    spec = load_spec(SPECS / "cpu-demo.yaml")
+    block for their bytes on every rank: the cost model predicts it slower on a free
+    link and faster where each call costs 10 ms (cpu-demo at param_count, tp 2)."""
+    raw = yaml.safe_load((SPECS / "cpu-demo.yaml").read_text())
+    raw["decomposition"]["rule"] = "param_count"
+    spec = parse_spec(yaml.safe_dump(raw))
     work = Workload(1, 256)
     free = replace(DEV, link_bytes_per_s=1e15, link_latency_s=0.0)
     slow = replace(DEV, link_latency_s=1e-2)
-    assert choose_down_layout(spec, free, work, tp=2)[0] == DOWN_SHARDED
-    down, choices = choose_down_layout(spec, slow, work, tp=2)
-    assert down == DOWN_REPLICATED
-    split = choose_layout(spec, slow, work, tp=2)
-    assert predicted_step_s(choices) < predicted_step_s(split)
+    for dev, whole_faster in ((free, False), (slow, True)):
+        split, whole = (
+            predicted_step_s(choose_layout(spec, dev, work, 2, down_layout=down))
+            for down in (DOWN_SHARDED, DOWN_REPLICATED)
+        )
+        assert (whole < split) == whole_faster
 
 
 def test_builtin_profiles_load_and_bad_ones_are_one_line_errors(tmp_path):

@@ -106,26 +106,28 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
 
 
 @pytest.mark.parametrize(
-    "merged,native",
+    "merged,native,down",
     [
-        ({"q", "k", "v", "o"}, True),  # attention merged, the MLP latent (cpu-demo's tp 2)
-        ({"o", "down"}, True),  # the rows merged (Megatron shards), the columns latent
-        ({"q", "gate"}, False),  # column groups part merged: no native block
+        ({"q", "k", "v", "o"}, True, "sharded"),  # attention merged, the MLP latent
+        ({"q", "k", "v", "o"}, True, "replicated"),  # ... its down factors whole
+        ({"o", "down"}, True, "sharded"),  # the rows merged (Megatron shards), columns latent
+        ({"q", "gate"}, False, "sharded"),  # column groups part merged: no native block
+        ({"q", "gate"}, False, "replicated"),
     ],
 )
-def test_native_block_across_ranks_in_mixed_layouts(model, monkeypatch, merged, native):
+def test_native_block_across_ranks_in_mixed_layouts(model, monkeypatch, merged, native, down):
     """The decode block across ranks with merged and latent matrices side by side (the
-    driver's layout choice replaced by a fixed one): same greedy tokens, and the layers
-    it covers."""
+    driver's layout choice replaced by a fixed one), the column groups' down factors
+    split or whole: same greedy tokens, and the layers it covers."""
     from runtime.engine import config
 
     spec_path, ckpt, want = model
 
-    def fixed(options, spec, kv, up_layout, link):
+    def fixed(options, spec, kv, up_layout, link, down_layout):
         return {shape: frozenset(merged) for shape in spec.layer_shapes()}
 
     monkeypatch.setattr(config, "planned_merges", fixed)
-    options = {"kv_cache": "dense", "path": "dynamic"}
+    options = {"kv_cache": "dense", "path": "dynamic", "down_layout": down}
     with LLM(spec_path, ckpt, tp=2, mode="deinfer", layout="optimized", **options) as llm:
         assert {n for names in llm.facts.merges.values() for n in names} == merged
         blocks = CONFIG["num_hidden_layers"] if native else 0

@@ -7,17 +7,14 @@ import json
 from collections import Counter
 
 import numpy as np
-import pytest
 import yaml
 from hypothesis import given
 
-from dsl import SpecError, build_plan, load_spec, parse_spec
+from dsl import build_plan, load_spec, parse_spec
 from dsl.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     DOWN_REPLICATED,
-    DOWN_SHARDED,
-    UP_REPLICATED,
     UP_SHARDED,
     LayerPlan,
 )
@@ -321,51 +318,6 @@ def test_shards_tile_and_collectives_match_simulation(raw):
             sim = _Sim(spec.model, lp, tp, rng)
             getattr(sim, f"{mode}_block")(rng.standard_normal(spec.model.hidden_size))
             assert sim.log == [(c.kind, c.elements) for c in lp.collectives], mode
-
-
-def test_sharded_up_layout_trades_weight_bytes_for_two_all_gathers():
-    """llama3-70b at 40%, tp 8: the o/down up factors split by columns hold as many
-    weight bytes per rank as base's fully sharded factors (not more, as replicated ones
-    do), for two all-gathers of h per block (2·8192 paper units on top of 35,640)."""
-    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
-    replicated = build_plan(spec, tp=8)
-    sharded = build_plan(spec, tp=8, up_layout=UP_SHARDED).modes["deinfer"]
-    assert sharded.up_layout == UP_SHARDED
-    assert replicated.modes["deinfer"].up_layout == UP_REPLICATED
-    assert sharded.comm_units_per_token_per_block() == 35_640 + 2 * 8192
-    assert sharded.collectives_per_block() == 6 < replicated.modes["base"].collectives_per_block()
-    rep_bytes = replicated.modes["deinfer"].weight_bytes_per_rank()
-    base_bytes = replicated.modes["base"].weight_bytes_per_rank()
-    assert sharded.weight_bytes_per_rank() <= base_bytes < rep_bytes
-    o_up = sharded.layer_plans[0].factor("o.u")
-    assert o_up.split == COLS and o_up.local_shape(0) == (4916, 1024)
-    # tp 1 has nothing to split: the plan is the replicated one
-    assert build_plan(spec, tp=1, up_layout=UP_SHARDED).modes["deinfer"].up_layout == UP_REPLICATED
-
-
-def test_whole_down_factors_trade_weight_bytes_for_the_latent_all_gathers():
-    """llama3-70b at 40%, tp 8, down factors whole on every rank: no all-gather of
-    either latent (the two all-reduces in r are all that is left), the concatenations
-    8x wider per rank; one rank holds the same down factors as tp 1."""
-    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
-    split = build_plan(spec, tp=8).modes["deinfer"]
-    whole = build_plan(spec, tp=8, down_layout=DOWN_REPLICATED).modes["deinfer"]
-    assert whole.down_layout == DOWN_REPLICATED
-    assert [c.kind for c in whole.layer_plans[0].collectives] == [ALL_REDUCE, ALL_REDUCE]
-    for a, b in zip(split.layer_plans[0].concats, whole.layer_plans[0].concats, strict=True):
-        assert b.whole and b.width == b.length == a.length and a.width == a.padded // 8
-    extra = sum(c.in_features * (c.length - c.width) for c in split.layer_plans[0].concats)
-    assert whole.weight_elements_per_rank() - split.weight_elements_per_rank() == extra * 80
-    one = build_plan(spec, tp=1, down_layout=DOWN_REPLICATED).modes["deinfer"]
-    assert one.down_layout == DOWN_SHARDED and not one.layer_plans[0].concats[0].whole
-    with pytest.raises(SpecError, match="down_layout: must be one of sharded, replicated"):
-        build_plan(spec, down_layout="diagonal")
-
-
-def test_unknown_up_layout_names_the_field():
-    spec = load_spec(SPECS / "llama3-70b-r40.yaml")
-    with pytest.raises(SpecError, match="up_layout: must be one of replicated, sharded"):
-        build_plan(spec, up_layout="diagonal")
 
 
 @given(spec_dicts())

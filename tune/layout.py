@@ -9,11 +9,9 @@ all-reduces its output, Megatron's one all-reduce of h). Ties go to fewer weight
 per rank, then to fewer merged matrices. A latent KV cache needs k and v latent:
 ``keep_latent_kv`` keeps them so where the user asked for that cache.
 
-Across ranks the column groups' down factors are split (the paper: the latent
-all-gathered) or whole on every rank (no all-gather, more bytes): ``choose_down_layout``
-takes the one whose best layout predicts the shorter step — whole where a collective's
-per-call cost outweighs streaming the down factors (behind a slow link), split where
-memory bandwidth is dearer.
+The column groups' down factors split (the latent all-gathered) or whole on every rank
+(``down_layout``) is the engine's rule (``runtime.engine.config.auto_down_layout``); the
+layout is chosen for the one it resolved.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from itertools import combinations
 
 from dsl.dataflow import build_plan, layer_plan_for
 from dsl.layout import Merges, merged_ranks
-from dsl.plan import DOWN_LAYOUTS, DOWN_SHARDED, UP_REPLICATED, ModePlan
+from dsl.plan import DOWN_SHARDED, UP_REPLICATED, ModePlan
 from dsl.spec import LayerRanks, Spec
 from tune.cost_model import Workload, layer_seconds
 from tune.profiles import DeviceProfile
@@ -141,21 +139,3 @@ def merges_of(choices: tuple[ShapeChoice, ...]) -> Merges:
 def predicted_step_s(choices: tuple[ShapeChoice, ...]) -> float:
     """The layers' predicted time per decode step under ``choices``."""
     return sum(c.seconds * len(c.layers) for c in choices)
-
-
-def choose_down_layout(
-    spec: Spec,
-    dev: DeviceProfile,
-    work: Workload,
-    tp: int | None = None,
-    up_layout: str = UP_REPLICATED,
-    keep_latent_kv: bool = False,
-) -> tuple[str, tuple[ShapeChoice, ...]]:
-    """The column groups' down layout whose best layout predicts the shorter step (ties:
-    split, fewer bytes), and that layout's choices."""
-    options = {
-        down: choose_layout(spec, dev, work, tp, up_layout, keep_latent_kv, down)
-        for down in DOWN_LAYOUTS
-    }
-    best = min(DOWN_LAYOUTS, key=lambda down: predicted_step_s(options[down]))
-    return best, options[best]

@@ -32,7 +32,7 @@ from runtime.dist.launcher import HEARTBEAT_S
 from runtime.dist.torchrun_group import under_torchrun
 from runtime.kernels import BACKENDS
 from tune.cost_model import Workload
-from tune.layout import choose_down_layout, choose_layout, merges_of
+from tune.layout import choose_layout, merges_of
 from tune.profiles import DeviceProfile, load_profile
 
 PATHS = ("static", "dynamic")
@@ -49,8 +49,8 @@ class EngineOptions:
     kv_cache: str | None = None  # dense | latent | auto; None: the spec's
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
-    # deinfer's column groups' down factors: auto (the optimized layout's cost model
-    # chooses; the paper layout splits them) | dsl.plan.DOWN_LAYOUTS
+    # deinfer's column groups' down factors: auto (``auto_down_layout``: whole where the
+    # ranks talk over gloo on the CPU path) | dsl.plan.DOWN_LAYOUTS
     down_layout: str = "auto"
     # deinfer's matrices: optimized (each merged or latent, as the cost model predicts
     # faster: tune.layout) | paper (every decomposed matrix latent, the paper's dataflow)
@@ -154,6 +154,23 @@ def auto_up_layout(shared_memory: bool) -> str:
     return UP_SHARDED if shared_memory else UP_REPLICATED
 
 
+def auto_down_layout(shared_memory: bool, path: str, tp: int) -> str:
+    """``auto``: hold the column groups' down factors whole on every rank where CPU ranks
+    talk over gloo (TCP: across a link, or without shared memory), split them where the
+    ranks share memory or run the static path (its generated kernels take them split).
+
+    Over gloo a collective costs far more inside a decode step than its idle latency
+    (cpu-demo at param_count, tp 2, behind the emulated links: 0.6-0.7 ms above the
+    cost model's per call), so two fewer per layer outweigh the down factors' bytes; in
+    shared memory they do not. Whole vs split, decode tok/s on the Xeon VM
+    (docs/bench/vs-dense-cpu/down-layout/): behind ratio:0.373 1.23x / 1.05x (batch 16 /
+    1), behind ratio:5.18 1.05x / 1.07x; loopback shared memory 0.85x / 0.78x (tp 2),
+    0.92x / 0.90x (tp 4)."""
+    gloo_on_cpu = not shared_memory and not torch.cuda.is_available()
+    whole = tp > 1 and path == "dynamic" and gloo_on_cpu
+    return DOWN_REPLICATED if whole else DOWN_SHARDED
+
+
 def static_kernels(backend: str | None, path: str) -> str:
     """The static path's kernels: triton on a GPU, torch on a CPU; triton on a CPU only
     in Triton's interpreter (the dynamic path always runs the eager kernels)."""
@@ -223,7 +240,9 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     shared = uses_shared_memory(options.shm_collectives, tp, link)
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)
-    merges, down = planned_layout(options, spec, kv, layout, link, path)
+    down = options.down_layout
+    down = auto_down_layout(shared, path, tp) if down == "auto" else down
+    merges = planned_merges(options, spec, kv, layout, link, down)
     shared_cores = tp > usable_cores()
     return EngineFacts(
         path, kernels, kv, threads, shared, layout, link, merges, shared_cores, down
@@ -243,32 +262,25 @@ def layout_profile(name: str | None, link: LinkSpec | None) -> DeviceProfile:
     )
 
 
-def planned_layout(
+def planned_merges(
     options: EngineOptions,
     spec: Spec,
     kv: str,
     up_layout: str,
     link: LinkSpec | None,
-    path: str = "dynamic",
-) -> tuple[Merges, str]:
-    """deinfer's optimized layout for ``spec``: the matrices merged per shape and the
-    column groups' down layout, as ``tune.layout`` predicts fastest at ``plan_batch``
-    decode rows over half the longest context (nothing merged under the paper's layout
-    or in the other modes; k and v kept latent for a latent cache). ``auto`` down
-    factors are split on the static path (its generated kernels take them split) and
-    under the paper's layout."""
-    down = DOWN_SHARDED if options.down_layout == "auto" else options.down_layout
+    down_layout: str = DOWN_SHARDED,
+) -> Merges:
+    """deinfer's optimized layout for ``spec``: what ``tune.layout`` predicts fastest at
+    ``plan_batch`` decode rows over half the longest context, with the resolved up and
+    down layouts (nothing merged under the paper's layout or in the other modes; k and
+    v kept latent for a latent cache)."""
     if options.mode != "deinfer" or options.layout != OPTIMIZED:
-        return {}, down
+        return {}
     rt = spec.runtime
     work = Workload(options.plan_batch or rt.max_batch_size, rt.max_seq_len // 2, kv)
     dev = layout_profile(options.profile, link)
     keep = kv == "latent"
-    if options.down_layout == "auto" and path == "dynamic" and spec.parallel.tp > 1:
-        down, choices = choose_down_layout(spec, dev, work, None, up_layout, keep)
-    else:
-        choices = choose_layout(spec, dev, work, None, up_layout, keep, down)
-    return merges_of(choices), down
+    return merges_of(choose_layout(spec, dev, work, None, up_layout, keep, down_layout))
 
 
 @dataclass(frozen=True)
