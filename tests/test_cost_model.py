@@ -23,7 +23,7 @@ from tune.cost_model import (
     predict_block,
     predicted_faster_up_layout,
 )
-from tune.layout import choose_layout, predicted_step_s
+from tune.layout import COLUMN_GROUPS, choose_layout, predicted_step_s
 from tune.profiles import DeviceProfile, builtin_profiles, load_profile
 from tune.table5 import FIT, PUBLISHED, TOLERANCE, reproduce
 
@@ -126,6 +126,23 @@ def test_whole_down_factors_predicted_faster_only_where_a_call_costs_much():
             for down in (DOWN_SHARDED, DOWN_REPLICATED)
         )
         assert (whole < split) == whole_faster
+
+
+def test_whole_groups_leave_no_column_group_part_merged():
+    """cpu-demo at param_count, tp 2, down factors whole, on this machine's profile: by
+    bytes alone k and v would merge beside a latent q (the native block then cannot run
+    the layer); with ``whole_groups`` every column group is all merged or all latent."""
+    raw = yaml.safe_load((SPECS / "cpu-demo.yaml").read_text())
+    raw["decomposition"]["rule"] = "param_count"
+    spec = parse_spec(yaml.safe_dump(raw))
+    dev, work = load_profile("cpu-here"), Workload(16, 24)
+    free = choose_layout(spec, dev, work, 2, down_layout=DOWN_REPLICATED)
+    assert {n for c in free for n in c.merged} == {"k", "v"}
+    for wanted in (DOWN_SHARDED, DOWN_REPLICATED):
+        for c in choose_layout(spec, dev, work, 2, down_layout=wanted, whole_groups=True):
+            for group in COLUMN_GROUPS:
+                members = {n for n in group if c.shape.as_dict().get(n) is not None}
+                assert c.merged & members in (set(), members), (wanted, c.merged)
 
 
 def test_builtin_profiles_load_and_bad_ones_are_one_line_errors(tmp_path):

@@ -123,7 +123,7 @@ def test_native_block_across_ranks_in_mixed_layouts(model, monkeypatch, merged, 
 
     spec_path, ckpt, want = model
 
-    def fixed(options, spec, kv, up_layout, link, down_layout):
+    def fixed(options, spec, kv, up_layout, link, down_layout, path):
         return {shape: frozenset(merged) for shape in spec.layer_shapes()}
 
     monkeypatch.setattr(config, "planned_merges", fixed)

@@ -9,6 +9,13 @@ all-reduces its output, Megatron's one all-reduce of h). Ties go to fewer weight
 per rank, then to fewer merged matrices. A latent KV cache needs k and v latent:
 ``keep_latent_kv`` keeps them so where the user asked for that cache.
 
+On the CPU's dynamic path a layer decodes through the native block only where each
+column group is merged whole or not at all (``runtime.model.decode_block``): there
+``whole_groups`` leaves out the candidates that split a group (on cpu-demo at
+param_count, down factors whole, the model merged k and v alone by bytes, 1.05M against
+1.13M elements per rank, and the layer lost the block: 0.78x the split-down engine at
+batch 1, whose layout left every matrix latent).
+
 The column groups' down factors split (the latent all-gathered) or whole on every rank
 (``down_layout``) is the engine's rule (``runtime.engine.config.auto_down_layout``); the
 layout is chosen for the one it resolved.
@@ -25,6 +32,10 @@ from dsl.plan import DOWN_SHARDED, UP_REPLICATED, ModePlan
 from dsl.spec import LayerRanks, Spec
 from tune.cost_model import Workload, layer_seconds
 from tune.profiles import DeviceProfile
+
+# The matrices that share one input norm and one projection (the native decode block
+# fuses each group's products, all merged or all low-rank).
+COLUMN_GROUPS = (("q", "k", "v"), ("gate", "up"), ("fc1",))
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,15 @@ class _ShapeCosts:
         return self.cache[merged]
 
 
+def _groups_whole(merged: frozenset[str], decomposed: set[str]) -> bool:
+    """Whether each column group's decomposed matrices are all merged or all latent."""
+    for group in COLUMN_GROUPS:
+        members = decomposed.intersection(group)
+        if merged & members and not members <= merged:
+            return False
+    return True
+
+
 def choose_shape(
     spec: Spec,
     mp: ModePlan,
@@ -83,13 +103,17 @@ def choose_shape(
     dev: DeviceProfile,
     work: Workload,
     keep_latent_kv: bool = False,
+    whole_groups: bool = False,
 ) -> ShapeChoice:
-    """The fastest subset of ``shape``'s decomposed matrices to merge."""
+    """The fastest subset of ``shape``'s decomposed matrices to merge (``whole_groups``:
+    among those that merge a column group whole or not at all)."""
     costs = _ShapeCosts(spec, mp, shape, dev, work, mp.up_layout)
     decomposed = [n for n, r in shape.ranks if r is not None]
     kv = {"k", "v"} if keep_latent_kv and {"k", "v"} <= set(decomposed) else set()
     free = [n for n in decomposed if n not in kv]
     candidates = [frozenset(c) for k in range(len(free) + 1) for c in combinations(free, k)]
+    if whole_groups:
+        candidates = [c for c in candidates if _groups_whole(c, set(decomposed))]
     best = min(candidates, key=lambda c: (*costs.cost(c), len(c)))
     seconds, elements = costs.cost(best)
     dense = layer_plan_for(spec.model, shape, mp.tp, "dense")
@@ -122,12 +146,14 @@ def choose_layout(
     up_layout: str = UP_REPLICATED,
     keep_latent_kv: bool = False,
     down_layout: str = DOWN_SHARDED,
+    whole_groups: bool = False,
 ) -> tuple[ShapeChoice, ...]:
     """Each layer shape's choice for ``spec`` at ``tp`` (default: the spec's)."""
     plan = build_plan(spec, tp, modes=("deinfer",), up_layout=up_layout, down_layout=down_layout)
     mp = plan.modes["deinfer"]
     return tuple(
-        choose_shape(spec, mp, shape, dev, work, keep_latent_kv) for shape in spec.layer_shapes()
+        choose_shape(spec, mp, shape, dev, work, keep_latent_kv, whole_groups)
+        for shape in spec.layer_shapes()
     )
 
 

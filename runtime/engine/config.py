@@ -242,7 +242,7 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     threads = options.threads or default_threads(tp)
     down = options.down_layout
     down = auto_down_layout(shared, path, tp) if down == "auto" else down
-    merges = planned_merges(options, spec, kv, layout, link, down)
+    merges = planned_merges(options, spec, kv, layout, link, down, path)
     shared_cores = tp > usable_cores()
     return EngineFacts(
         path, kernels, kv, threads, shared, layout, link, merges, shared_cores, down
@@ -269,6 +269,7 @@ def planned_merges(
     up_layout: str,
     link: LinkSpec | None,
     down_layout: str = DOWN_SHARDED,
+    path: str = "dynamic",
 ) -> Merges:
     """deinfer's optimized layout for ``spec``: what ``tune.layout`` predicts fastest at
     ``plan_batch`` decode rows over half the longest context, with the resolved up and
@@ -280,7 +281,10 @@ def planned_merges(
     work = Workload(options.plan_batch or rt.max_batch_size, rt.max_seq_len // 2, kv)
     dev = layout_profile(options.profile, link)
     keep = kv == "latent"
-    return merges_of(choose_layout(spec, dev, work, None, up_layout, keep, down_layout))
+    # the native decode block (the CPU path, dense-cache layers) needs whole groups
+    whole_groups = path == "dynamic" and not torch.cuda.is_available() and not keep
+    choices = choose_layout(spec, dev, work, None, up_layout, keep, down_layout, whole_groups)
+    return merges_of(choices)
 
 
 @dataclass(frozen=True)
