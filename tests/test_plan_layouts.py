@@ -75,6 +75,7 @@ def test_auto_down_layout_is_whole_only_where_cpu_ranks_talk_over_gloo(shm, path
     facts = resolve(options, spec)
     assert facts.shm_collectives == shm  # Linux CPU ranks on one host: shared memory works
     assert facts.down_layout == want
-    assert resolve(EngineOptions(shm_collectives=shm, path=path), with_tp(spec, 1)).down_layout == (
-        DOWN_SHARDED
-    )
+    # one rank, or the paper's layout (its dataflow): split
+    one = resolve(EngineOptions(shm_collectives=shm, path=path), with_tp(spec, 1))
+    paper = resolve(EngineOptions(shm_collectives=shm, path=path, layout="paper"), spec)
+    assert one.down_layout == paper.down_layout == DOWN_SHARDED

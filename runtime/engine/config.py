@@ -50,7 +50,7 @@ class EngineOptions:
     threads: int | None = None  # intra-op threads per rank; None: cores // tp
     up_layout: str = "auto"  # deinfer's o/down up factors: auto | dsl.plan.UP_LAYOUTS
     # deinfer's column groups' down factors: auto (``auto_down_layout``: whole where the
-    # ranks talk over gloo on the CPU path) | dsl.plan.DOWN_LAYOUTS
+    # ranks talk over gloo on the CPU path, in the optimized layout) | dsl.plan.DOWN_LAYOUTS
     down_layout: str = "auto"
     # deinfer's matrices: optimized (each merged or latent, as the cost model predicts
     # faster: tune.layout) | paper (every decomposed matrix latent, the paper's dataflow)
@@ -154,10 +154,11 @@ def auto_up_layout(shared_memory: bool) -> str:
     return UP_SHARDED if shared_memory else UP_REPLICATED
 
 
-def auto_down_layout(shared_memory: bool, path: str, tp: int) -> str:
-    """``auto``: hold the column groups' down factors whole on every rank where CPU ranks
-    talk over gloo (TCP: across a link, or without shared memory), split them where the
-    ranks share memory or run the static path (its generated kernels take them split).
+def auto_down_layout(shared_memory: bool, path: str, tp: int, layout: str = OPTIMIZED) -> str:
+    """``auto``: in the optimized layout, hold the column groups' down factors whole on
+    every rank where CPU ranks talk over gloo (TCP: across a link, or without shared
+    memory); split them where the ranks share memory, on the static path (its generated
+    kernels take them split) and in the paper's layout (its dataflow, reproduced).
 
     Over gloo a collective costs far more inside a decode step than its idle latency
     (cpu-demo at param_count, tp 2, behind the emulated links: 0.6-0.7 ms above the
@@ -167,7 +168,7 @@ def auto_down_layout(shared_memory: bool, path: str, tp: int) -> str:
     1), behind ratio:5.18 1.05x / 1.07x; loopback shared memory 0.85x / 0.78x (tp 2),
     0.92x / 0.90x (tp 4)."""
     gloo_on_cpu = not shared_memory and not torch.cuda.is_available()
-    whole = tp > 1 and path == "dynamic" and gloo_on_cpu
+    whole = tp > 1 and path == "dynamic" and gloo_on_cpu and layout == OPTIMIZED
     return DOWN_REPLICATED if whole else DOWN_SHARDED
 
 
@@ -241,7 +242,7 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     layout = auto_up_layout(shared) if options.up_layout == "auto" else options.up_layout
     threads = options.threads or default_threads(tp)
     down = options.down_layout
-    down = auto_down_layout(shared, path, tp) if down == "auto" else down
+    down = auto_down_layout(shared, path, tp, options.layout) if down == "auto" else down
     merges = planned_merges(options, spec, kv, layout, link, down, path)
     shared_cores = tp > usable_cores()
     return EngineFacts(
