@@ -163,10 +163,10 @@ def auto_down_layout(shared_memory: bool, path: str, tp: int, layout: str = OPTI
     Over gloo a collective costs far more inside a decode step than its idle latency
     (cpu-demo at param_count, tp 2, behind the emulated links: 0.6-0.7 ms above the
     cost model's per call), so two fewer per layer outweigh the down factors' bytes; in
-    shared memory they do not. Whole vs split, decode tok/s on the Xeon VM
+    shared memory they do not. Whole vs split, decode tok/s of cpu-demo on the Xeon VM
     (docs/bench/vs-dense-cpu/down-layout/): behind ratio:0.373 1.23x / 1.05x (batch 16 /
-    1), behind ratio:5.18 1.05x / 1.07x; loopback shared memory 0.85x / 0.78x (tp 2),
-    0.92x / 0.90x (tp 4)."""
+    1), behind ratio:5.18 1.05x / 1.07x; in shared memory 0.92x / 0.90x (tp 2), 0.92x /
+    0.88x (tp 4)."""
     gloo_on_cpu = not shared_memory and not torch.cuda.is_available()
     whole = tp > 1 and path == "dynamic" and gloo_on_cpu and layout == OPTIMIZED
     return DOWN_REPLICATED if whole else DOWN_SHARDED
