@@ -11,6 +11,7 @@ from typing import Any
 
 from dsl import MODES, Plan, build_plan, load_spec, with_tp
 from dsl.layout import LAYOUTS, OPTIMIZED, with_merged
+from dsl.plan import DOWN_LAYOUTS, DOWN_SHARDED
 from dsl.report import layer_ranges, plan_json, plan_table, shards_table
 from runtime.dist.emulated_link import LinkSpec
 from runtime.engine.config import layout_profile
@@ -45,6 +46,14 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--link", default=None, help="link between the ranks, RATE[,LATENCY] (e.g. 10gbit,5us)"
     )
+    p.add_argument(
+        "--down-layout",
+        choices=DOWN_LAYOUTS,
+        default=DOWN_SHARDED,
+        help="deinfer's column groups' down factors: split, the latent all-gathered (the "
+        "paper; default), or whole on every rank (no all-gather: what the engine holds "
+        "where CPU ranks talk over gloo)",
+    )
     p.add_argument("--batch", type=int, default=16, help="decode rows (default 16)")
     p.add_argument("--context", type=int, default=1024, help="tokens attended (default 1024)")
     p.set_defaults(func=run_plan)
@@ -54,15 +63,16 @@ def run_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     spec = spec if args.tp is None else with_tp(spec, args.tp)
     modes = (args.mode,) if args.mode else MODES
-    plan = build_plan(spec, modes=modes)
+    plan = build_plan(spec, modes=modes, down_layout=args.down_layout)
     choices: tuple[ShapeChoice, ...] = ()
     if "deinfer" in modes and args.layout == OPTIMIZED:
         dev = layout_profile(args.device, LinkSpec.parse(args.link) if args.link else None)
         work = Workload(args.batch, args.context)
-        choices = choose_layout(spec, dev, work)
+        choices = choose_layout(spec, dev, work, down_layout=args.down_layout)
         executed = with_merged(spec, merges_of(choices))
-        optimized = build_plan(executed, modes=("deinfer",)).modes["deinfer"]
-        paper = plan.modes["deinfer"]
+        down = args.down_layout
+        optimized = build_plan(executed, modes=("deinfer",), down_layout=down).modes["deinfer"]
+        paper = build_plan(spec, modes=("deinfer",)).modes["deinfer"]  # its dataflow
         by_mode = {**plan.modes, "deinfer": optimized, PAPER_COLUMN: paper}
         plan = Plan(spec=spec, tp=plan.tp, modes=by_mode)
         steps = {name: predict_block(mp, dev, work).total_s for name, mp in by_mode.items()}
@@ -70,11 +80,12 @@ def run_plan(args: argparse.Namespace) -> int:
         data = plan_json(plan)
         if choices:
             data["layout"] = _layout_json(choices, steps, dev.name, work)
+            data["layout"]["down_layout"] = args.down_layout
         print(json.dumps(data, indent=2))
         return 0
     print(plan_table(plan))
     if choices:
-        print(_layout_table(choices, steps, dev.name, work))
+        print(_layout_table(choices, steps, dev.name, work, args.down_layout))
     if args.shards:
         print(shards_table(plan))
     return 0
@@ -106,9 +117,9 @@ def _layout_json(choices, steps: dict[str, float], device: str, work: Workload) 
     }
 
 
-def _layout_table(choices, steps: dict[str, float], device: str, work: Workload) -> str:
+def _layout_table(choices, steps: dict[str, float], device: str, work: Workload, down: str) -> str:
     lines = [
-        f"deinfer layout (optimized) on {device}, decode batch {work.tokens}, "
+        f"deinfer layout (optimized, down factors {down}) on {device}, decode batch {work.tokens}, "
         f"context {work.context}: predicted layer time with each matrix latent / merged"
     ]
     for c in choices[:8]:

@@ -3,6 +3,8 @@ replicated or split by columns, the column groups' down factors split or whole."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dsl import build_plan, load_spec, with_tp
@@ -79,3 +81,20 @@ def test_auto_down_layout_is_whole_only_where_cpu_ranks_talk_over_gloo(shm, path
     one = resolve(EngineOptions(shm_collectives=shm, path=path), with_tp(spec, 1))
     paper = resolve(EngineOptions(shm_collectives=shm, path=path, layout="paper"), spec)
     assert one.down_layout == paper.down_layout == DOWN_SHARDED
+
+
+def test_plan_cli_plans_whole_down_factors(capsys):
+    """``deinfer plan --down-layout replicated``: the optimized column without latent
+    all-gathers beside the paper's layout, which keeps them."""
+    from cli.main import main
+
+    args = ["plan", str(SPECS / "cpu-demo.yaml"), "--tp", "2", "--json", "--link", "1gbit,1ms"]
+    assert main([*args, "--down-layout", "replicated"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["down_layout"] == DOWN_REPLICATED
+    moved = {
+        mode: {op["what"] for group in plan["collectives"] for op in group["ops"]}
+        for mode, plan in data["modes"].items()
+    }
+    assert not moved["deinfer"] & {"attn_latent", "mlp_latent"}
+    assert {"attn_latent", "mlp_latent"} <= moved["deinfer-paper"]
