@@ -119,7 +119,7 @@ def _layout_json(choices, steps: dict[str, float], device: str, work: Workload) 
 
 def _layout_table(choices, steps: dict[str, float], device: str, work: Workload, down: str) -> str:
     lines = [
-        f"deinfer layout (optimized, down factors {down}) on {device}, decode batch {work.tokens}, "
+        f"deinfer layout (optimized) on {device}, down factors {down}, decode batch {work.tokens}, "
         f"context {work.context}: predicted layer time with each matrix latent / merged"
     ]
     for c in choices[:8]:
