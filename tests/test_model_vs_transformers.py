@@ -40,9 +40,6 @@ RUNS = (
     ("deinfer", "eager", UP_REPLICATED, "mixed"),
     ("deinfer", "eager", UP_SHARDED, "mixed"),
     ("deinfer", "torch", UP_REPLICATED, "mixed"),
-    # the column groups' down factors whole on every rank (no latent all-gather)
-    ("deinfer", "eager", UP_SHARDED, "whole_downs"),
-    ("deinfer", "eager", UP_REPLICATED, "mixed", "whole_downs"),
 )
 
 
