@@ -40,6 +40,9 @@ UP_LAYOUTS = (UP_REPLICATED, UP_SHARDED)
 # latent (no all-gather, for the down factors' bytes on every rank).
 DOWN_SHARDED, DOWN_REPLICATED = "sharded", "replicated"
 DOWN_LAYOUTS = (DOWN_SHARDED, DOWN_REPLICATED)
+# The matrices that share one input norm and one projection (a deinfer column group's
+# concatenated down factors; the native decode block fuses each group's products).
+COLUMN_GROUPS = (("q", "k", "v"), ("gate", "up"), ("fc1",))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import yaml
 
 from dsl import build_plan, load_spec, parse_spec
 from dsl.errors import UserError
-from dsl.plan import DOWN_REPLICATED, DOWN_SHARDED, UP_REPLICATED, UP_SHARDED
+from dsl.plan import COLUMN_GROUPS, DOWN_REPLICATED, DOWN_SHARDED, UP_REPLICATED, UP_SHARDED
 from tests.conftest import REPO, SPECS
 from tune.cost_model import (
     Workload,
@@ -23,7 +23,7 @@ from tune.cost_model import (
     predict_block,
     predicted_faster_up_layout,
 )
-from tune.layout import COLUMN_GROUPS, choose_layout, predicted_step_s
+from tune.layout import choose_layout, predicted_step_s
 from tune.profiles import DeviceProfile, builtin_profiles, load_profile
 from tune.table5 import FIT, PUBLISHED, TOLERANCE, reproduce
 

@@ -28,14 +28,10 @@ from itertools import combinations
 
 from dsl.dataflow import build_plan, layer_plan_for
 from dsl.layout import Merges, merged_ranks
-from dsl.plan import DOWN_SHARDED, UP_REPLICATED, ModePlan
+from dsl.plan import COLUMN_GROUPS, DOWN_SHARDED, UP_REPLICATED, ModePlan
 from dsl.spec import LayerRanks, Spec
 from tune.cost_model import Workload, layer_seconds
 from tune.profiles import DeviceProfile
-
-# The matrices that share one input norm and one projection (the native decode block
-# fuses each group's products, all merged or all low-rank).
-COLUMN_GROUPS = (("q", "k", "v"), ("gate", "up"), ("fc1",))
 
 
 @dataclass(frozen=True)

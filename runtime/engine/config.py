@@ -197,11 +197,6 @@ def _check(options: EngineOptions, kv: str) -> None:
             f"down_layout must be auto or one of {', '.join(DOWN_LAYOUTS)}, "
             f"found {options.down_layout!r}"
         )
-    if options.down_layout == DOWN_REPLICATED and options.path == "static":
-        raise UserError(
-            "down_layout replicated needs the dynamic path (the static path's generated "
-            "kernels take the split down factors)"
-        )
     if options.backend is not None and options.backend not in BACKENDS:
         raise UserError(f"backend must be one of {', '.join(BACKENDS)}, found {options.backend!r}")
     if options.mode not in MODES:
@@ -234,6 +229,11 @@ def resolve(options: EngineOptions, spec: Spec) -> EngineFacts:
     kv = options.kv_cache or spec.runtime.kv_cache
     _check(options, kv)
     path = options.path or default_path()
+    if options.down_layout == DOWN_REPLICATED and path == "static":
+        raise UserError(
+            "down_layout replicated needs the dynamic path (the static path's generated "
+            "kernels take the split down factors)"
+        )
     kernels = static_kernels(options.backend, path) if path == "static" else "eager"
     link = LinkSpec.parse(options.link) if isinstance(options.link, str) else options.link
     tp = spec.parallel.tp

@@ -132,11 +132,11 @@ def _projection(
     factors = tuple((u.copy, *u.shape) for u in ups)
     # one call where this rank's down factors give the whole latent (one rank, or the
     # down factors whole on every rank): the latent stays in the call's scratch
-    if not across or first.shape[1] == ranks:
-        if first.shape[1] != ranks:
-            return None
+    if first.shape[1] == ranks:
         whole = Projection(first.copy, first.shape[1], factors)
         return whole if row else ColumnProjection(whole)
+    if not across:
+        return None
     if not ranks <= first.shape[1] * world:  # the gathered latent holds every member's rows
         return None
     return ColumnProjection(Projection(first.copy, first.shape[1]), Projection(None, 0, factors))
