@@ -46,7 +46,7 @@ def groups():
     made: dict[int, WorkerGroup] = {}
 
     def get(world: int) -> WorkerGroup:
-        if world not in made:
+        if world not in made or made[world].closed:  # a fresh one after a failure
             made[world] = WorkerGroup(world, timeout_s=180)
         return made[world]
 

@@ -40,6 +40,9 @@ RUNS = (
     ("deinfer", "eager", UP_REPLICATED, "mixed"),
     ("deinfer", "eager", UP_SHARDED, "mixed"),
     ("deinfer", "torch", UP_REPLICATED, "mixed"),
+    # the column groups' down factors whole on every rank (no latent all-gather)
+    ("deinfer", "eager", UP_SHARDED, "whole_downs"),
+    ("deinfer", "eager", UP_REPLICATED, "mixed", "whole_downs"),
 )
 
 
@@ -48,7 +51,7 @@ def groups():
     made: dict[int, WorkerGroup] = {}
 
     def get(world: int) -> WorkerGroup:
-        if world not in made:
+        if world not in made or made[world].closed:  # a fresh one after a failure
             made[world] = WorkerGroup(world, timeout_s=300)
         return made[world]
 

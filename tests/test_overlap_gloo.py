@@ -11,8 +11,8 @@ import yaml
 
 from codegen.generate import generate, write_atomically
 from dsl import parse_spec
-from runtime.dist.failures import CallFailed
-from runtime.dist.launcher import WorkerError, WorkerGroup, launch
+from runtime.dist.failures import CallFailed, first_cause
+from runtime.dist.launcher import WorkerError, WorkerGroup
 from tests.conftest import SPECS
 from tests.tp_workers import run_overlapped_up
 
@@ -78,9 +78,20 @@ def test_a_failing_rank_is_named_and_the_group_goes_on():
 
 def test_a_failure_that_strands_a_peer_in_a_collective_ends_the_group():
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"did not answer within 5 s \(stuck in a collective"):
-        launch(_boom_before_a_collective, 2, timeout_s=60)
-    assert time.monotonic() - start < 30
+    with WorkerGroup(2, timeout_s=60) as group:
+        with pytest.raises(WorkerError, match=r"did not answer within 5 s \(stuck in a collective"):
+            group.run(_boom_before_a_collective)
+        assert time.monotonic() - start < 30
+        # the ranks are gone: a later call says so at once, not with a peer's symptom
+        with pytest.raises(WorkerError, match=r"closed .* start a new one"):
+            group.run(_rank)
+
+
+def test_the_rank_named_is_the_cause_not_a_peer_that_lost_it():
+    lost = "Traceback ...\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    cause = "Traceback ...\nOSError: [Errno 39] Directory not empty"
+    assert first_cause({0: ("error", lost), 3: ("error", cause), 1: ("error", lost)}) == 3
+    assert first_cause({1: ("error", lost), 0: ("error", lost)}) == 1  # the first to report
 
 
 def _rank(rank, world):

@@ -31,6 +31,20 @@ def rank_failure(exc: Exception) -> tuple[str, str]:
     return "error", traceback.format_exc()
 
 
+# What a rank's collective raises once a peer's side of the connection went away (the peer
+# failed, or its group closed): a symptom of another rank's failure, not a cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def first_cause(failed: dict[int, tuple[str, str]]) -> int:
+    """Of the ranks that failed (in the order they reported), the one to name: the first
+    whose failure is not a lost peer, else the first."""
+    for rank, (_, value) in failed.items():
+        if not any(marker in last_line(value) for marker in PEER_LOST):
+            return rank
+    return next(iter(failed))
+
+
 def raise_failure(rank: int, status: str, value: str, kind: type[RuntimeFailure]) -> None:
     """A rank's user error as it is (every rank says the same: shown once), anything else
     as ``kind`` naming the rank, with its traceback as details."""

@@ -36,6 +36,7 @@ from runtime.dist.failures import (
     CallFailed,
     WorkerError,
     last_line,
+    first_cause,
     raise_failure,
     rank_failure,
 )
@@ -201,6 +202,7 @@ class WorkerGroup:
         self.heartbeat_s = heartbeat_s
         self.procs: list = []
         self.tasks: list = []
+        self.closed = False  # by ``close``: after a failure the ranks are gone
         self.links: EmulatedLinks | None = None
         self.link_probe: dict[str, float] | None = None
         ctx = mp.get_context("spawn")
@@ -267,6 +269,8 @@ class WorkerGroup:
         self, fn: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None
     ) -> list[Any]:
         """fn(rank, world, *args) on every rank; the per-rank results in rank order."""
+        if self.closed:
+            raise WorkerError("this worker group is closed (an earlier call broke it); start a new one")
         for q in self.tasks:
             q.put((fn, args))
         return self._collect("ok", timeout_s or self.timeout_s)
@@ -302,7 +306,7 @@ class WorkerGroup:
                 deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
             failed[rank] = (status, value)
         if failed:  # every rank answered: the group is intact
-            rank = min(failed)
+            rank = first_cause(failed)
             raise_failure(rank, *failed[rank], CallFailed)
         return [out[r] for r in range(self.world)]
 
@@ -322,7 +326,7 @@ class WorkerGroup:
             return
         self.close()
         if failed:
-            rank = min(failed)
+            rank = first_cause(failed)
             raise WorkerError(
                 f"rank {rank} failed: {last_line(failed[rank][1])}; ranks {waiting} did not "
                 f"answer within {PEERS_GRACE_S:.0f} s (stuck in a collective it left)",
@@ -352,6 +356,7 @@ class WorkerGroup:
             time.sleep(0.1)
 
     def close(self) -> None:
+        self.closed = True
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
