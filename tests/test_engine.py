@@ -100,6 +100,12 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         native = mode != "base" and kv == "dense" and path == "dynamic"
         blocks = CONFIG["num_hidden_layers"] if native else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * tp
+        # a latent cache's layers: the MLP half alone, where gate and up are both merged or
+        # both latent
+        mlp_whole = len(merged & {"gate", "up"}) in (0, 2)
+        half = mode == "deinfer" and kv == "latent" and path == "dynamic" and mlp_whole
+        halves = CONFIG["num_hidden_layers"] if half else 0
+        assert llm.workers.call("mlp_half_layers") == [halves] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)
@@ -150,6 +156,8 @@ def test_whole_down_factors_need_no_latent_all_gather(model, kv, up):
         )
         blocks = CONFIG["num_hidden_layers"] if kv == "dense" else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * 2
+        halves = CONFIG["num_hidden_layers"] - blocks  # a latent cache: the MLP half alone
+        assert llm.workers.call("mlp_half_layers") == [halves] * 2
         llm.workers.call("set_comm_stats", "count")
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         stats = llm.workers.call("take_comm_stats")[0]

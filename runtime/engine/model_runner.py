@@ -316,6 +316,11 @@ class ModelRunner:
         """How many layers take their decode steps through the native decode block."""
         return sum(getattr(layer, "decode_block", None) is not None for layer in self.model.layers)
 
+    def mlp_half_layers(self) -> int:
+        """How many latent-cache layers take their decode steps' MLP through the native
+        block's MLP half."""
+        return sum(getattr(layer, "mlp_half", None) is not None for layer in self.model.layers)
+
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""
         return self.gemm.describe()

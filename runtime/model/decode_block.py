@@ -49,15 +49,22 @@ PROJECTIONS = {
 
 # The row projections: across ranks the block ends them at their down factors' shard.
 ROWS = ("o", "down")
+# The MLP half's projections (a latent-cache layer's decode runs this half alone)
+MLP_PROJECTIONS = ("gate_up", "down")
 
 
-def matrices_of(weights: dict[str, object], across_ranks: bool = False) -> list[str] | None:
-    """The names of the matrices the block multiplies, each projection dense or
-    low-rank as ``weights`` (the layer's, by name) hold it; None where one is neither
+def matrices_of(
+    weights: dict[str, object],
+    across_ranks: bool = False,
+    keys: tuple[str, ...] = tuple(PROJECTIONS),
+) -> list[str] | None:
+    """The names of the matrices the block's projections ``keys`` multiply, each dense
+    or low-rank as ``weights`` (the layer's, by name) hold it; None where one is neither
     (a column group part merged, part low-rank). ``across_ranks``: not a low-rank row
     projection's up factor (the layer multiplies it after the all-reduce)."""
     names: list[str] = []
-    for key, (dense, down, members) in PROJECTIONS.items():
+    for key in keys:
+        dense, down, members = PROJECTIONS[key]
         if dense in weights:
             names.append(dense)
         elif down in weights and all(f"{n}.u" in weights for n in members):
@@ -68,9 +75,15 @@ def matrices_of(weights: dict[str, object], across_ranks: bool = False) -> list[
     return names
 
 
-def covers(model: ModelConfig, weights: dict[str, object], across_ranks: bool = False) -> bool:
+def covers(
+    model: ModelConfig,
+    weights: dict[str, object],
+    across_ranks: bool = False,
+    keys: tuple[str, ...] = tuple(PROJECTIONS),
+) -> bool:
     """Whether the decode block computes a layer of ``model`` with these weights (by
-    name as ``DecoderLayer.w`` has them; before or after packing)."""
+    name as ``DecoderLayer.w`` has them; before or after packing), or with ``keys``
+    ``MLP_PROJECTIONS`` its MLP half."""
     plain = (
         model.norm.kind == "rms"
         and model.mlp.kind == "glu"
@@ -79,7 +92,7 @@ def covers(model: ModelConfig, weights: dict[str, object], across_ranks: bool = 
         and model.positions.kind == "rope"
         and model.positions.style in ("neox", "gptj")
     )
-    names = matrices_of(weights, across_ranks)
+    names = matrices_of(weights, across_ranks, keys)
     biases = any(name.endswith(".bias") for name in weights)
     fp32 = names is not None and all(
         getattr(weights[name], "dtype", None) == torch.float32
@@ -142,68 +155,101 @@ def _projection(
     return ColumnProjection(Projection(first.copy, first.shape[1]), Projection(None, 0, factors))
 
 
+def _input(
+    library: DecodeBlockLibrary,
+    x: torch.Tensor,
+    summands: list[torch.Tensor],
+    norm: tuple[torch.Tensor, float],
+    columns: ColumnProjection,
+    gather: Gather,
+) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection]:
+    """What a half's call starts from: x, its summands and norm, and the whole
+    projection; or, cut, the latent the ranks gathered (x += summands by the first call)
+    and the up factors."""
+    if columns.ups is None:
+        return x, summands, norm, columns.first
+    latent = gather(library.norm_project(x, summands, norm, columns.first))
+    return latent, [], None, columns.ups
+
+
+@dataclass(frozen=True)
+class MlpHalf:
+    """The MLP half of the block: a full block's second call, and alone the native part
+    of a latent-cache layer's decode step (its attention reads the latents op by op,
+    ``runtime.model.eager_attention``)."""
+
+    library: DecodeBlockLibrary
+    eps: float
+    post_norm: torch.Tensor
+    gate_up: ColumnProjection
+    inter: int  # this rank's MLP columns
+    down: Projection  # whole, or across ranks its shard (Megatron's, or the down factor's)
+
+    @staticmethod
+    def of(model: ModelConfig, weights: dict[str, object], world: int = 1) -> MlpHalf | None:
+        """The MLP half of a layer with these weights (as ``DecodeBlock.of``), or None."""
+        gate_up, down = (_projection(weights, key, world) for key in MLP_PROJECTIONS)
+        if gate_up is None or down is None:
+            return None
+        h, inter = weights["post_norm.weight"].shape[0], down.in_width
+        # across ranks the row projection's output may be its latent's shard (width r)
+        fits = (
+            gate_up.first.in_width == h
+            and gate_up.out_width == 2 * inter
+            and (world > 1 or down.out_width == h)
+        )
+        if not fits:
+            return None
+        norm = weights["post_norm.weight"].contiguous()
+        return MlpHalf(decode_block_library(), model.norm.eps, norm, gate_up, inter, down)
+
+    def mlp(self, x: torch.Tensor, summands: list[torch.Tensor], gather: Gather) -> torch.Tensor:
+        """x += summands (in place); the MLP half's output [m, down's columns] (unreduced)."""
+        source, parts, norm, up = _input(
+            self.library, x, summands, (self.post_norm, self.eps), self.gate_up, gather
+        )
+        return self.library.mlp(source, parts, norm, up, self.inter, self.down)
+
+
 @dataclass(frozen=True)
 class DecodeBlock:
     library: DecodeBlockLibrary
     heads: tuple[int, int, int]  # this rank's query heads, KV heads, head_dim
-    inter: int  # this rank's MLP columns
     eps: float
     half: int  # RoPE pairs: j with j + half (neox), or adjacent (0)
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
     qkv: ColumnProjection
     o: Projection  # whole, or across ranks its shard (Megatron's, or the down factor's)
-    gate_up: ColumnProjection
-    down: Projection  # as o
+    mlp_half: MlpHalf
 
     @staticmethod
     def of(model: ModelConfig, weights: dict[str, object], world: int = 1) -> DecodeBlock | None:
         """The block of a layer with these weights (by name, packed) on one of ``world``
         ranks, or None where a matrix is not held as panels alone or the shapes do not
         fit one another."""
-        projections = {key: _projection(weights, key, world) for key in PROJECTIONS}
-        if any(p is None for p in projections.values()):
+        mlp = MlpHalf.of(model, weights, world)
+        qkv, o = (_projection(weights, key, world) for key in ("qkv", "o"))
+        if mlp is None or qkv is None or o is None:
             return None
-        qkv, o, gate_up, down = (projections[k] for k in PROJECTIONS)
         d, h = model.head_dim, weights["input_norm.weight"].shape[0]
-        width, inter = o.in_width, down.in_width
+        width = o.in_width
         heads = width // d
         kv_heads = (qkv.out_width - width) // (2 * d)
-        # across ranks a row projection's output may be its latent's shard (width r)
-        outs_fit = world > 1 or o.out_width == h == down.out_width
         fits = (
             width == heads * d
             and qkv.out_width == (heads + 2 * kv_heads) * d
             and kv_heads > 0
             and heads % kv_heads == 0
-            and outs_fit
-            and qkv.first.in_width == h == gate_up.first.in_width
-            and gate_up.out_width == 2 * inter
+            and (world > 1 or o.out_width == h)
+            and qkv.first.in_width == h
         )
         if not fits:
             return None
         half = d // 2 if model.positions.style == "neox" else 0
-        norms = weights["input_norm.weight"], weights["post_norm.weight"]
+        norm = weights["input_norm.weight"].contiguous()
         return DecodeBlock(
-            decode_block_library(), (heads, kv_heads, d), inter, model.norm.eps, half,
-            norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down,
-        )  # fmt: skip
-
-    def _input(
-        self,
-        x: torch.Tensor,
-        summands: list[torch.Tensor],
-        norm: torch.Tensor,
-        columns: ColumnProjection,
-        gather: Gather,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection]:
-        """What a half's call starts from: x, its summands and norm, and the whole
-        projection; or, cut, the latent the ranks gathered (x += summands by the first
-        call) and the up factors."""
-        if columns.ups is None:
-            return x, summands, (norm, self.eps), columns.first
-        latent = gather(self.library.norm_project(x, summands, (norm, self.eps), columns.first))
-        return latent, [], None, columns.ups
+            decode_block_library(), (heads, kv_heads, d), model.norm.eps, half, norm, qkv, o, mlp
+        )
 
     def attention(
         self,
@@ -217,7 +263,9 @@ class DecodeBlock:
         (unreduced). ``gather``: the ranks' all-gather of a latent's columns."""
         cos, sin = rope_tables  # [m, 1, d] each, contiguous
         operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
-        source, parts, norm, qkv = self._input(x, summands, self.input_norm, self.qkv, gather)
+        source, parts, norm, qkv = _input(
+            self.library, x, summands, (self.input_norm, self.eps), self.qkv, gather
+        )
         return self.library.attention(
             source, parts, norm, qkv, self.heads, (cos, sin, self.half), operands, cache.scale,
             self.o,
@@ -225,5 +273,4 @@ class DecodeBlock:
 
     def mlp(self, x: torch.Tensor, summands: list[torch.Tensor], gather: Gather) -> torch.Tensor:
         """x += summands (in place); the MLP half's output [m, down's columns] (unreduced)."""
-        source, parts, norm, up = self._input(x, summands, self.post_norm, self.gate_up, gather)
-        return self.library.mlp(source, parts, norm, up, self.inter, self.down)
+        return self.mlp_half.mlp(x, summands, gather)

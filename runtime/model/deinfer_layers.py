@@ -35,8 +35,11 @@ class DeinferLayer(DecoderLayer):
         return self.s.execution.fuses_residual_adds
 
     def decode_block_allowed(self) -> bool:
-        """With each concatenated group's members in the block's column order."""
-        orders = {"attn": ("q", "k", "v"), "mlp": ("gate", "up")}
+        """With each concatenated group's members in the block's column order (the MLP's
+        alone where the cache holds latents: the block's MLP half alone runs)."""
+        orders = {"mlp": ("gate", "up")}
+        if not self.s.latent_cache:
+            orders["attn"] = ("q", "k", "v")
         for group, order in orders.items():
             cat = self.s.plan.concat(group)
             if cat is not None and tuple(n for n, _ in cat.members) != order:
@@ -64,14 +67,16 @@ class DeinferLayer(DecoderLayer):
     def gemm_only(self) -> set[str]:
         """Not the up factors of a split concat group across ranks (the ring multiplies
         row slices of them, whenever a latent goes round it) unless the native decode block
-        multiplies them (the layer then gathers its latents whole), nor a latent cache's
-        k and v up factors (its decode reads them: ``runtime.model.eager_attention``)."""
+        (or its MLP half) multiplies them (the layer then gathers its latents whole), nor
+        a latent cache's k and v up factors (its decode reads them:
+        ``runtime.model.eager_attention``)."""
         kept = set()
-        if self.s.comm.world > 1 and not self.decode_block_matrices():
-            for group in ("attn", "mlp"):
-                cat = self.s.plan.concat(group)
-                if cat is not None and not cat.whole:
-                    kept |= {f"{n}.u" for n, _ in cat.members}
+        native = set(self.decode_block_names()) if self.s.comm.world > 1 else set()
+        for group in ("attn", "mlp") if self.s.comm.world > 1 else ():
+            cat = self.s.plan.concat(group)
+            ups = {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
+            if cat is not None and not cat.whole and not ups <= native:
+                kept |= ups
         if self.s.latent_cache:
             kept |= {"k.u", "v.u"}
         return super().gemm_only() - kept

@@ -25,7 +25,14 @@ from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.huge_pages import on_huge_pages
-from runtime.model.decode_block import DecodeBlock, covers, matrices_of
+from runtime.model.decode_block import (
+    MLP_PROJECTIONS,
+    PROJECTIONS,
+    DecodeBlock,
+    MlpHalf,
+    covers,
+    matrices_of,
+)
 from runtime.model.execution import Batch, Execution
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -73,42 +80,61 @@ class DecoderLayer(nn.Module):
     def fuse_columns(self) -> None:
         """Modes whose column projections share an input multiply them as one GEMM."""
 
-    # the native decode step, once the layer's matrices are panels (``prepare_decode_block``)
+    # the native decode step, once the layer's matrices are panels (``prepare_decode_block``);
+    # a latent-cache layer's: the MLP half alone
     decode_block: DecodeBlock | None = None
+    mlp_half: MlpHalf | None = None
 
     def decode_block_allowed(self) -> bool:
         """Whether this layer's dataflow is the native decode block's (two half-blocks,
         each ending in a product the next norm adds after its all-reduce)."""
         return False
 
-    def decode_block_matrices(self) -> list[torch.Tensor]:
-        """The matrices to hold as panels alone, where the native decode block covers
-        this layer on this rank's path (``runtime.model.decode_block.covers``) and its
-        cache is dense (the block attends over K and V rows)."""
+    def decode_block_names(self) -> list[str]:
+        """The names of the matrices to hold as panels alone, where the native decode
+        block covers this layer on this rank's path (``runtime.model.decode_block.covers``):
+        all of them where its cache is dense (the block attends over K and V rows), the
+        MLP's where it holds latents (the MLP half alone)."""
         weights = {name: self.w(name) for name in self.names}
         allowed = self.decode_block_allowed() and self.s.execution.fuses_residual_adds
         across = self.s.comm.world > 1
-        if self.s.latent_cache or not (allowed and covers(self.s.model, weights, across)):
+        keys = MLP_PROJECTIONS if self.s.latent_cache else tuple(PROJECTIONS)
+        if not (allowed and covers(self.s.model, weights, across, keys)):
             return []
-        return [weights[name] for name in matrices_of(weights, across)]
+        return matrices_of(weights, across, keys) or []
+
+    def decode_block_matrices(self) -> list[torch.Tensor]:
+        """The matrices of ``decode_block_names``."""
+        return [self.w(name) for name in self.decode_block_names()]
 
     def prepare_decode_block(self) -> None:
         """Once the tuned products have packed and released the matrices."""
-        if self.decode_block_matrices():
+        if self.decode_block_names():
             weights = {name: self.w(name) for name in self.names}
-            self.decode_block = DecodeBlock.of(self.s.model, weights, self.s.comm.world)
+            if self.s.latent_cache:
+                self.mlp_half = MlpHalf.of(self.s.model, weights, self.s.comm.world)
+            else:
+                self.decode_block = DecodeBlock.of(self.s.model, weights, self.s.comm.world)
 
     def decode_natively(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """``forward_fused`` through the native decode block, where the layer has one and
-        the batch is a decode step that offers this layer's dense cache; else None."""
+        the batch is a decode step that offers this layer's dense cache, or through the
+        MLP half after the attention op by op (a latent cache); else None."""
+        gather = self.s.comm.all_gather_columns
+        if self.mlp_half is not None and batch.decode:
+            if summands:
+                eager.add_summands(x, summands)
+            attended = self.attention_block(x, batch)  # reduced: the MLP half adds it to x
+            down = self.mlp_half.mlp(x, [attended], gather)
+            return x, self.row_summands("down", down, batch)
         if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
             return None
         cache = batch.dense_cache(self.index)
         if cache is None:
             return None
-        block, gather = self.decode_block, self.s.comm.all_gather_columns
+        block = self.decode_block
         o = block.attention(x, summands or [], batch.rope_tables, cache, gather)
         down = block.mlp(x, self.row_summands("o", o, batch), gather)
         return x, self.row_summands("down", down, batch)
