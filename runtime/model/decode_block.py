@@ -17,6 +17,10 @@ all-gather its latent, and the rest of the half runs from that latent (its up fa
 ``ColumnProjection.ups``); a low-rank row projection ends at its down factor's shard
 (the latent of width r, which the layer all-reduces and multiplies by the up factor).
 A column group whose down factors every rank holds whole is one call, as on one rank.
+
+A layer over a latent cache runs the MLP half alone (``MlpHalf``): its attention reads
+the latents op by op (``runtime.model.eager_attention``), then one call adds the
+attention's output to x and computes the MLP.
 """
 
 from __future__ import annotations
