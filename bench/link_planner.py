@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dsl import build_plan, load_spec
+from dsl.errors import UserError
 from dsl.plan import DOWN_SHARDED, UP_REPLICATED
 from runtime.dist.emulated_link import LinkSpec
 from tune.calibrate import calibrate, probe_compute, slowest_rank
@@ -103,7 +104,10 @@ class CostModelPlanner:
         target: dict[str, float] = {}
         if entry.startswith(RATIO):
             ratio = float(entry[len(RATIO) :])
-            wanted = link_rate_for_ratio(base, self._scaled(self.profile), work, ratio)
+            try:
+                wanted = link_rate_for_ratio(base, self._scaled(self.profile), work, ratio)
+            except ValueError as exc:  # measured here: a bench that asks it must stop
+                raise UserError(f"--link {entry} at tp {base.tp}: {exc}") from None
             nominal = self._tc_rate_for(group, wanted)
             target = {"comm_over_compute": ratio, "wanted_bytes_per_s": wanted}
         else:

@@ -80,6 +80,10 @@ def test_link_rate_for_ratio_gives_that_ratio_back():
         rate = link_rate_for_ratio(mp, DEV, work, ratio)
         pred = predict_block(mp, replace(DEV, link_bytes_per_s=rate), work)
         assert pred.comm_s / pred.compute_s == pytest.approx(ratio)
+    # below what the latency alone gives (4 ranks' rings at a 1 ms latency): out of reach
+    slow = replace(DEV, link_latency_s=1e-3)
+    with pytest.raises(ValueError, match=r"comm/compute 0.373 is out of reach: .* gives \d"):
+        link_rate_for_ratio(build_plan(spec, 4).modes["base"], slow, work, 0.373)
 
 
 def test_one_all_gather_below_a_row_count_the_ring_above_it():

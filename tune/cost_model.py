@@ -209,7 +209,12 @@ def link_rate_for_ratio(
     )
     budget = comm_over_compute * pred.compute_s - steps * dev.link_latency_s
     if budget <= 0:
-        raise ValueError("the link latency alone exceeds that ratio")
+        lowest = steps * dev.link_latency_s / pred.compute_s
+        raise ValueError(
+            f"comm/compute {comm_over_compute:g} is out of reach: the link's latency alone "
+            f"({steps} messages per block, {dev.link_latency_s * 1e6:.0f} us each) gives "
+            f"{lowest:.2f}; ask for a larger ratio"
+        )
     return pred.comm_bytes_per_rank / budget
 
 
