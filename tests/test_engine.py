@@ -170,6 +170,30 @@ def test_whole_down_factors_need_no_latent_all_gather(model, kv, up):
     assert gathers == (steps if up == "sharded" else 0), stats
 
 
+@pytest.mark.parametrize("kv", ["dense", "latent"])
+def test_a_rank_alone_counts_the_collectives_the_plan_counts(model, kv):
+    """At tp 1 the native block (dense cache) and its MLP half (latent cache) keep the
+    latents in their calls' scratch; each skipped collective is still counted as the
+    plan counts it, so the bench's measured = plan check holds for every path."""
+    from bench.variants import planned_elements
+    from dsl import load_spec
+
+    spec_path, ckpt, want = model
+    with LLM(spec_path, ckpt, tp=1, kv_cache=kv, path="dynamic", layout="paper") as llm:
+        natively = (
+            llm.workers.call("decode_block_layers")[0] + llm.workers.call("mlp_half_layers")[0]
+        )
+        assert natively == CONFIG["num_hidden_layers"]
+        llm.workers.call("set_comm_stats", "count")
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        stats = llm.workers.call("take_comm_stats")[0]
+    assert [o.token_ids for o in outs] == want
+    plan = planned_elements(load_spec(spec_path), "deinfer")
+    blocks = {kind: stats[kind][1] / per_token for kind, per_token in plan.items()}
+    # every kind moved plan's elements per token and block over the same token count
+    assert blocks["all_gather"] == pytest.approx(blocks["all_reduce"], rel=1e-9), stats
+
+
 def test_whole_down_factors_need_the_dynamic_path(model):
     spec_path, ckpt, _ = model
     with pytest.raises(UserError, match="down_layout replicated needs the dynamic path"):

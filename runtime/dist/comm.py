@@ -96,6 +96,12 @@ class Comm:
         self._done("all_reduce", tensor.numel(), start, tag)
         return tensor
 
+    def skipped(self, kind: str, elements: int) -> None:
+        """Count a collective that one rank alone has no need to make, as the plan counts
+        it (the native decode block keeps a low-rank row's latent in its call's scratch;
+        elsewhere a rank alone calls ``all_reduce``, which returns at once, counted)."""
+        self._done(kind, elements, self._start())
+
     def summands(self, tensor: torch.Tensor, tag: str = "") -> list[torch.Tensor]:
         """An all-reduce of ``tensor`` for a caller that adds the sum into something else
         (``eager.add_and_normalize``: the residual stream and the next norm in one
