@@ -50,28 +50,19 @@ class DeinferLayer(DecoderLayer):
         """On one rank the block's output is whole; across ranks a merged row's is a
         Megatron shard's partial sum, a low-rank row's its latent's (width r): reduced,
         then multiplied by the up factor (``row_up``)."""
-        if self.s.comm.world == 1:  # counted as the plan counts it: r wide where low-rank
+        if self.s.comm.world == 1:
+            # a rank alone: the half's latents stayed in the call's scratch; its skipped
+            # collectives counted as the plan (and the op-by-op path) count them
+            rows, cat = pending.shape[0], self.s.plan.concat("attn" if name == "o" else "mlp")
+            if cat is not None and not cat.whole:
+                self.s.comm.skipped("all_gather", rows * cat.width)
             down = self.w(f"{name}.v")
             width = pending.shape[1] if down is None else down.shape[1]
-            self.s.comm.skipped("all_reduce", pending.shape[0] * width)
+            self.s.comm.skipped("all_reduce", rows * width)
             return [pending]
         if self.w(f"{name}.v") is None:
             return self.summands_of(pending)
         return [self.row_up(name, self.s.comm.all_reduce(pending), batch)]
-
-    def decode_natively(
-        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
-    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """``DecoderLayer.decode_natively``; a rank alone counts the latent all-gathers
-        the native calls had no need to make, as the plan (and the op-by-op path) count
-        them: the latent stays in the call's scratch."""
-        out = super().decode_natively(x, summands, batch)
-        if out is not None and self.s.comm.world == 1:
-            groups = ("mlp",) if self.decode_block is None else ("attn", "mlp")
-            for cat in filter(None, map(self.s.plan.concat, groups)):
-                if not cat.whole:
-                    self.s.comm.skipped("all_gather", x.shape[0] * cat.width)
-        return out
 
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
