@@ -51,18 +51,22 @@ class DeinferLayer(DecoderLayer):
         Megatron shard's partial sum, a low-rank row's its latent's (width r): reduced,
         then multiplied by the up factor (``row_up``)."""
         if self.s.comm.world == 1:
-            # a rank alone: the half's latents stayed in the call's scratch; its skipped
-            # collectives counted as the plan (and the op-by-op path) count them
-            rows, cat = pending.shape[0], self.s.plan.concat("attn" if name == "o" else "mlp")
-            if cat is not None and not cat.whole:
-                self.s.comm.skipped("all_gather", rows * cat.width)
-            down = self.w(f"{name}.v")
-            width = pending.shape[1] if down is None else down.shape[1]
-            self.s.comm.skipped("all_reduce", rows * width)
+            if self.s.comm.count:
+                self.count_skipped(name, pending)
             return [pending]
         if self.w(f"{name}.v") is None:
             return self.summands_of(pending)
         return [self.row_up(name, self.s.comm.all_reduce(pending), batch)]
+
+    def count_skipped(self, name: str, pending: torch.Tensor) -> None:
+        """A rank alone: the half's latents stayed in the native call's scratch; its
+        skipped collectives counted as the plan (and the op-by-op path) count them."""
+        rows, cat = pending.shape[0], self.s.plan.concat("attn" if name == "o" else "mlp")
+        if cat is not None and not cat.whole:
+            self.s.comm.skipped("all_gather", rows * cat.width)
+        down = self.w(f"{name}.v")
+        width = pending.shape[1] if down is None else down.shape[1]
+        self.s.comm.skipped("all_reduce", rows * width)
 
     def forward_fused(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
@@ -79,12 +83,15 @@ class DeinferLayer(DecoderLayer):
         a latent cache's k and v up factors (its decode reads them:
         ``runtime.model.eager_attention``)."""
         kept = set()
-        native = set(self.decode_block_names()) if self.s.comm.world > 1 else set()
-        for group in ("attn", "mlp") if self.s.comm.world > 1 else ():
-            cat = self.s.plan.concat(group)
-            ups = {f"{n}.u" for n, _ in cat.members} if cat is not None else set()
-            if cat is not None and not cat.whole and not ups <= native:
-                kept |= ups
+        if self.s.comm.world > 1:
+            native = set(self.decode_block_names())
+            for group in ("attn", "mlp"):
+                cat = self.s.plan.concat(group)
+                if cat is None or cat.whole:
+                    continue
+                ups = {f"{n}.u" for n, _ in cat.members}
+                if not ups <= native:
+                    kept |= ups
         if self.s.latent_cache:
             kept |= {"k.u", "v.u"}
         return super().gemm_only() - kept
