@@ -24,34 +24,28 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec.h"
+
 #if defined(__AVX512F__)
-#define VEC 16
 #define TOK 4   /* tokens per tile */
 #define CHUNK 4 /* accumulator vectors per token: 16 of 32 registers */
 #define HEADS 3 /* query heads whose values are summed at once: 12 + 4 registers */
 #elif defined(__AVX__)
-#define VEC 8
 #define TOK 3
 #define CHUNK 4 /* 12 of 16 registers, the rest for U_rest and broadcasts */
 #define HEADS 2 /* 8 + 4 of 16 registers */
 #else
-#define VEC 4
 #define TOK 2
 #define CHUNK 3
 #define HEADS 3 /* 9 + 3 of 16 registers */
 #endif
 #define MAX_WIDTH 1024 /* key columns of one rank (kv_heads x head_dim) and padding */
 
-typedef float vec_t __attribute__((vector_size(VEC * sizeof(float)), aligned(sizeof(float))));
 typedef int32_t ivec_t __attribute__((vector_size(VEC * sizeof(int32_t))));
 
 int latent_width(void) { return VEC; }
 
 int latent_max_width(void) { return MAX_WIDTH; }
-
-static inline vec_t load(const float *p) { return *(const vec_t *)p; }
-
-static inline void store(float *p, vec_t v) { memcpy(p, &v, sizeof(vec_t)); }
 
 /* keys[t][col .. col + vecs * VEC) = z[t][:r_k] . u[:, col ..] for tokens tokens
  * (z[t]: token t's row)

@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) void panel(
     const float *wk = w + k * VEC;
     prefetch(wk, L1_AHEAD, 3);
     prefetch(wk, L2_AHEAD, 2);
-    vec_t wv = *(const vec_t *)wk;
+    vec_t wv = load(wk);
     const float *ak = at + k * lda;
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) acc[r] += ak[r] * wv;
