@@ -22,6 +22,7 @@ from runtime.model.eager_attention import (
     decode_dense,
     decode_dense_native,
     decode_latent,
+    decode_latent_native,
     gather,
 )
 from runtime.model.execution import AttentionFn
@@ -118,6 +119,11 @@ class CacheAttention:
             dense = dense_cache(index)
             if dense is not None:  # written and attended in one native pass where it takes them
                 out = decode_dense_native(q, k, v, dense)
+                if out is not None:
+                    return out
+            if cache.kind == "latent":  # written and attended in one native call where it can
+                f = self.latent_factors[index]
+                out = decode_latent_native(q, latent, slots, cache, ctx, f, self.scale)
                 if out is not None:
                     return out
             cache.write(slots, k, v, latent)

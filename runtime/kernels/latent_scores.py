@@ -1,6 +1,7 @@
 """The native latent scores (``native/latent_scores.c``): a latent decode step's keys
 rebuilt, rotated and scored in one pass, and the probabilities' product with z_v, both
-reading the latents where they lie in the cache; built once per machine (``native_build``).
+reading the latents where they lie in the cache, and the layer's whole decode attention
+around them in one call (``attention``); built once per machine (``native_build``).
 Where it did not build, or for operands it does not take (not fp32, no RoPE, a bias or
 a norm on k), decode uses torch's form (``LatentFactors.key_parts``)."""
 
@@ -16,6 +17,22 @@ import torch
 from runtime.kernels import native_build
 
 SOURCE = native_build.NATIVE / "latent_scores.c"
+
+
+@dataclass(frozen=True)
+class LatentKeys:
+    """How a layer's keys come from its latents, as ``latent_attention`` takes them: z_k's
+    columns ``copied`` (first, count), then row[:r_k] · u_rest [r_k, upad]; the tables
+    cos, sin [≥ L, wpad] of the step (``KeyAngles.tables``); each key column's dim and KV
+    head (int64 [width])."""
+
+    r_k: int
+    copied: tuple[int, int]
+    u_rest: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    dims: torch.Tensor
+    heads: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -50,14 +67,8 @@ class LatentScoresLibrary:
         (batch, length), heads, wpad = slots.shape, queries.shape[1], queries.shape[2]
         (first, copies), upad = copied, u_rest.shape[1]
         fp32 = all(t.dtype == torch.float32 for t in (rows, u_rest, cos, sin, queries))
-        checks = {
-            "fp32 operands": fp32,
-            "even copies within a row": copies % 2 == 0 and first + copies <= rows.shape[-1],
-            "u_rest [r_k, padded]": u_rest.shape[0] == r_k and upad % self.width == 0,
-            "padded queries": wpad % self.width == 0 and wpad >= copies,
-            f"at most {self.max_width} columns": copies + upad <= self.max_width,
-            "tables [≥ L, wpad]": cos.shape[0] >= length and cos.shape[1] == wpad,
-        }
+        keys = LatentKeys(r_k, copied, u_rest, cos, sin, torch.empty(0), torch.empty(0))
+        checks = {"fp32 operands": fp32} | self._key_checks(keys, rows, length, wpad)
         _check("latent scores", checks | _row_checks(rows, slots, lengths, r_k))
         operands = (u_rest, cos, sin, queries)
         u_rest, cos, sin, queries = (t.contiguous() for t in operands)
@@ -68,8 +79,20 @@ class LatentScoresLibrary:
             lengths.data_ptr(), r_k, first, copies, u_rest.data_ptr(), upad,
             cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), heads, wpad, out.data_ptr(),
         )  # fmt: skip
-        _check("latent scores", {"slots within the cache's rows": not failed})
+        _check("latent scores", {"slots within the cache's rows": failed != -1})
+        if failed:
+            raise MemoryError("latent scores: no scratch memory")
         return out
+
+    def _key_checks(self, keys: LatentKeys, rows: torch.Tensor, length: int, wpad: int):
+        (first, copies), upad = keys.copied, keys.u_rest.shape[1]
+        return {
+            "even copies within a row": copies % 2 == 0 and first + copies <= rows.shape[-1],
+            "u_rest [r_k, padded]": keys.u_rest.shape[0] == keys.r_k and upad % self.width == 0,
+            "padded queries": wpad % self.width == 0 and wpad >= copies,
+            f"at most {self.max_width} columns": copies + upad <= self.max_width,
+            "tables [≥ L, wpad]": keys.cos.shape[0] >= length and keys.cos.shape[1] == wpad,
+        }
 
     def values(
         self,
@@ -97,6 +120,61 @@ class LatentScoresLibrary:
             batch, length, lengths.data_ptr(), r_k, r_v, heads, out.data_ptr(),
         )  # fmt: skip
         _check("latent values", {"slots within the cache's rows": not failed})
+        return out
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        new: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        keys: LatentKeys,
+        values: tuple[torch.Tensor, torch.Tensor | None],
+        scale: float,
+    ) -> torch.Tensor:
+        """A latent layer's decode attention in one call: rows ``new`` = (latents [B, r_k +
+        r_v], slots [B]) written to the cache ``rows`` first; then queries q [B, H, d]
+        (RoPE applied) laid out as ``keys`` says, scaled, scored as ``scores`` scores,
+        softmax, · z_v as ``values``, times each KV head's U_v: ``values`` = (U_v
+        [kv_heads, r_v, d], bias [kv_heads · d] or None) -> [B, H, d]."""
+        (latents, new_slots), (u_v, bias_v) = new, values
+        (batch, length), (heads, d), r_k = slots.shape, q.shape[1:], keys.r_k
+        kv_heads, r_v = u_v.shape[0], u_v.shape[1]
+        wpad, width, (first, copies) = keys.cos.shape[1], keys.dims.numel(), keys.copied
+        operands = (q, latents, rows, u_v, keys.u_rest, keys.cos, keys.sin)
+        checks = {
+            "fp32 operands": all(t.dtype == torch.float32 for t in operands)
+            and (bias_v is None or bias_v.dtype == torch.float32),
+            "q [B, H, d] with whole KV head groups": q.shape[0] == batch and heads % kv_heads == 0,
+            "row-contiguous new latents [B, r_k + r_v]": latents.shape == (batch, r_k + r_v)
+            and latents.stride(1) == 1,
+            "cache rows of r_k + r_v": rows.shape[-1] == r_k + r_v,
+            "U_v [kv_heads, r_v, d]": u_v.shape[2] == d,
+            "int64 new slots [B]": new_slots.dtype == torch.int64 and new_slots.shape == (batch,),
+            "int64 key dims and heads [width ≤ wpad]": keys.dims.dtype == torch.int64
+            and keys.heads.dtype == torch.int64
+            and keys.heads.numel() == width <= wpad,
+            "bias_v [kv_heads · d]": bias_v is None or bias_v.numel() == kv_heads * d,
+        }
+        checks |= self._key_checks(keys, rows, length, wpad)
+        _check("latent attention", checks | _row_checks(rows, slots, lengths, r_k))
+        tensors = (q, u_v, keys.u_rest, keys.cos, keys.sin, slots, new_slots)
+        q, u_v, u_rest, cos, sin, slots, new_slots = (t.contiguous() for t in tensors)
+        bias = None if bias_v is None else bias_v.contiguous()
+        lengths = lengths.to(torch.int64).contiguous()
+        out = torch.empty(batch, heads, d, dtype=torch.float32)
+        failed = self.lib.latent_attention(
+            q.data_ptr(), heads, d, scale, keys.dims.data_ptr(), keys.heads.data_ptr(), width,
+            rows.data_ptr(), rows.shape[0], rows.stride(0), latents.data_ptr(),
+            latents.stride(0), new_slots.data_ptr(), slots.data_ptr(), batch, length,
+            lengths.data_ptr(), r_k, r_v, first, copies, u_rest.data_ptr(), u_rest.shape[1],
+            cos.data_ptr(), sin.data_ptr(), wpad, kv_heads, u_v.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if failed == -2:
+            raise MemoryError("latent attention: no scratch memory")
+        _check("latent attention", {"slots within the cache's rows": not failed})
         return out
 
 
@@ -129,7 +207,11 @@ def _configured(lib: ctypes.CDLL) -> LatentScoresLibrary:
     lib.latent_scores.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
     lib.latent_scores.argtypes += [i64, ptr, ptr, ptr, i64, i64, ptr]
     lib.latent_values.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.latent_attention.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, i64, ptr, i64, i64]
+    lib.latent_attention.argtypes += [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
+    lib.latent_attention.argtypes += [i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.latent_scores.restype = lib.latent_values.restype = ctypes.c_int
+    lib.latent_attention.restype = ctypes.c_int
     return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()))
 
 

@@ -172,3 +172,32 @@ class CopyBasisSource:
         if self.k is None or tensor not in ("k.v", "k.u"):
             return self.source.factor(tensor, split, start, stop)
         return self.k.factor(tensor, split, start, stop)
+
+
+def latent_layout(
+    u_k: torch.Tensor, kv_heads: int, order: torch.Tensor, copies_allowed: bool = True
+) -> tuple[int, int, torch.Tensor]:
+    """(copy_from, copies, layout) of U_k [r_k, kv_heads · head_dim]: the key columns
+    in pair order (``order``: ``eager.rope_pair_order``), head by head, except that the
+    RoPE pairs whose two columns are U_k's identity columns of latent columns
+    copy_from, copy_from + 1, .. (``runtime.model.latent_basis`` makes them) come first;
+    ``copies`` of them (0: none, where they are not one such range or not
+    ``copies_allowed``: ``latent_basis.copies_usable``)."""
+    head_dim = order.numel()
+    pairs = (torch.arange(kv_heads, device=order.device)[:, None] * head_dim + order).flatten()
+    plain = (0, 0, pairs)
+    if not copies_allowed:
+        return plain
+    unit = ((u_k != 0).sum(0) == 1) & (u_k.amax(0) == 1)
+    source = u_k.argmax(0)
+    a, b = pairs.view(-1, 2).unbind(1)
+    copied = unit[a] & unit[b] & (source[b] == source[a] + 1)
+    copy_columns = pairs.view(-1, 2)[copied].flatten()
+    if copy_columns.numel() == 0:
+        return plain
+    sources = source[copy_columns]
+    first = int(sources[0])
+    if not torch.equal(sources, torch.arange(first, first + len(sources), device=order.device)):
+        return plain
+    rest = pairs.view(-1, 2)[~copied].flatten()
+    return first, copy_columns.numel(), torch.cat([copy_columns, rest])

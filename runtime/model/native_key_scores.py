@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.latent_scores import LatentScoresLibrary, latent_scores_library
+from runtime.kernels.latent_scores import LatentKeys, LatentScoresLibrary, latent_scores_library
 from runtime.model.key_angles import KeyAngles
 
 
@@ -33,6 +33,26 @@ class NativeKeyScores:
         padded = F.pad(queries, (0, wpad - self.width))
         operands = (self.r_k, self.copied, self.u_rest, cos, sin, padded)
         return self.library.scores(rows, slots, lengths, *operands)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        new: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+        ctx: tuple[torch.Tensor, torch.Tensor],
+        columns: tuple[torch.Tensor, torch.Tensor],
+        values: tuple[torch.Tensor, torch.Tensor | None],
+        scale: float,
+    ) -> torch.Tensor:
+        """The layer's decode attention [B, H, d] in one call (``LatentScoresLibrary.
+        attention``): ``new`` (latents, slots) written to ``rows``, then queries q [B, H,
+        d] against the tokens at ``ctx`` = (slots [B, L], lengths [B]); ``columns``: each
+        key column's dim and KV head; ``values``: (U_v per KV head, bias or None)."""
+        slots, lengths = ctx
+        wpad = self.library.padded(self.width)
+        cos, sin = self.angles.tables(slots.shape[1], wpad)
+        keys = LatentKeys(self.r_k, self.copied, self.u_rest, cos, sin, *columns)
+        return self.library.attention(q, new, rows, slots, lengths, keys, values, scale)
 
     def values(
         self, probs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor

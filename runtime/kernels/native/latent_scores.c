@@ -22,6 +22,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec.h"
@@ -132,14 +133,28 @@ static int slots_in_range(const int64_t *slots, int64_t batch, int64_t length,
  * rotated by cos, sin [length][wpad] as x . cos + swap(x) . sin (sin signed, zero past
  * the key columns). copies and the rest even; wpad, upad multiples of VEC;
  * copies + upad <= MAX_WIDTH. Returns -1 (nothing written) where a slot is not below
- * rows, else 0. */
+ * rows, -2 without scratch memory, else 0. */
 int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slots,
                   int64_t batch, int64_t length, const int64_t *lengths, int64_t r_k,
                   int64_t copy_from, int64_t copies, const float *u, int64_t upad,
                   const float *cos, const float *sin, const float *queries, int64_t heads,
                   int64_t wpad, float *scores) {
   if (!slots_in_range(slots, batch, length, lengths, rows)) return -1;
-  int64_t tiles = (length + TOK - 1) / TOK;
+  int64_t tiles = (length + TOK - 1) / TOK, vectors = wpad / VEC;
+  /* each query row's vectors that are not all zero, and how many: a block-diagonal query
+   * row is zero outside its KV head's columns, so each head scores only those (cpu-135m:
+   * 8 of 24 vectors at full rank, 9-10 at 40 %, with 8 lanes) */
+  int32_t *live = malloc(sizeof(int32_t) * (size_t)(batch * heads * (vectors + 1)));
+  if (!live) return -2;
+  for (int64_t row = 0; row < batch * heads; row++) {
+    int32_t *own = live + row * (vectors + 1), count = 0;
+    for (int64_t v = 0; v < vectors; v++) {
+      int any = 0;
+      for (int64_t i = 0; i < VEC; i++) any |= queries[row * wpad + v * VEC + i] != 0.0f;
+      if (any) own[1 + count++] = (int32_t)v;
+    }
+    own[0] = count;
+  }
   ivec_t swap;
   for (int i = 0; i < VEC; i++) swap[i] = i ^ 1;
 #pragma omp parallel for schedule(static)
@@ -173,10 +188,12 @@ int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slot
     for (int64_t h = 0; h < heads; h++, out += length) {
       if (tokens) {
         const float *q = queries + (b * heads + h) * wpad;
+        const int32_t *own = live + (b * heads + h) * (vectors + 1);
         vec_t sum[TOK];
 #pragma GCC unroll 4
         for (int t = 0; t < TOK; t++) sum[t] = (vec_t){0};
-        for (int64_t j = 0; j < wpad; j += VEC) {
+        for (int32_t i = 1; i <= own[0]; i++) {
+          int64_t j = (int64_t)own[i] * VEC;
           vec_t qv = load(q + j);
 #pragma GCC unroll 4
           for (int t = 0; t < TOK; t++) sum[t] += qv * load(keys[t] + j);
@@ -190,6 +207,7 @@ int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slot
       for (int64_t t = tokens; t < span; t++) out[t] = -INFINITY;
     }
   }
+  free(live);
   return 0;
 }
 
@@ -272,5 +290,71 @@ int latent_values(const float *probs, const float *z, int64_t rows, int64_t ldz,
       }
     }
   }
+  return 0;
+}
+
+/* A latent layer's decode attention in one call (the torch form: eager_attention's
+ * decode_latent, with the cache write before it). Row b's new latent (r_k + r_v floats
+ * at new_rows + b * ld_new) is written to cache row new_slots[b]; each query head of q
+ * [batch][heads][d] (RoPE applied) is laid out as the keys are (key column j: dim
+ * key_dims[j] of KV head key_heads[j]; the other KV heads' columns zero), scaled, and
+ * scored (latent_scores); softmax over each sequence's tokens; probabilities . z_v
+ * (latent_values); each head's result times its KV head's U_v (u_v [kv_heads][r_v][d]),
+ * plus bias_v [kv_heads * d] (NULL: none) -> out [batch][heads][d]. Every step that torch
+ * took as its own op (a gather of the query columns, a mask, a pad, the softmax, a
+ * batched product per KV head) reads and writes this call's scratch instead.
+ * Returns -1 (nothing written) where a slot is not below rows, -2 without scratch
+ * memory (the new latents may be written), else 0. */
+int latent_attention(const float *q, int64_t heads, int64_t d, float scale,
+                     const int64_t *key_dims, const int64_t *key_heads, int64_t width,
+                     float *z, int64_t rows, int64_t ldz, const float *new_rows,
+                     int64_t ld_new, const int64_t *new_slots, const int64_t *slots,
+                     int64_t batch, int64_t length, const int64_t *lengths, int64_t r_k,
+                     int64_t r_v, int64_t copy_from, int64_t copies, const float *u,
+                     int64_t upad, const float *cos, const float *sin, int64_t wpad,
+                     int64_t kv_heads, const float *u_v, const float *bias_v, float *out) {
+  for (int64_t b = 0; b < batch; b++)
+    if (new_slots[b] < 0 || new_slots[b] >= rows) return -1;
+  if (!slots_in_range(slots, batch, length, lengths, rows)) return -1;
+  int64_t units = batch * heads, group = heads / kv_heads;
+  float *queries = malloc(sizeof(float) * (size_t)(units * (wpad + length + r_v)));
+  if (!queries) return -2;
+  float *scores = queries + units * wpad, *mixed = scores + units * length;
+#pragma omp parallel for schedule(static)
+  for (int64_t unit = 0; unit < units; unit++) {
+    int64_t b = unit / heads, g = unit % heads / group;
+    if (unit % heads == 0)
+      memcpy(z + new_slots[b] * ldz, new_rows + b * ld_new, sizeof(float) * (size_t)(r_k + r_v));
+    const float *qh = q + unit * d;
+    float *qb = queries + unit * wpad;
+    for (int64_t j = 0; j < wpad; j++)
+      qb[j] = j < width && key_heads[j] == g ? scale * qh[key_dims[j]] : 0.0f;
+  }
+  if (latent_scores(z, rows, ldz, slots, batch, length, lengths, r_k, copy_from, copies, u,
+                    upad, cos, sin, queries, heads, wpad, scores)) {
+    free(queries);
+    return -2; /* the slots were checked above: only scratch can have failed */
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t unit = 0; unit < units; unit++) {
+    float *row = scores + unit * length, top = -INFINITY, total = 0;
+    int64_t n = lengths[unit / heads] < length ? lengths[unit / heads] : length;
+    for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+    for (int64_t j = 0; j < n; j++) total += row[j] = expf(row[j] - top);
+    for (int64_t j = 0; j < n; j++) row[j] /= total;
+  }
+  latent_values(scores, z, rows, ldz, slots, batch, length, lengths, r_k, r_v, heads, mixed);
+#pragma omp parallel for schedule(static)
+  for (int64_t unit = 0; unit < units; unit++) {
+    int64_t g = unit % heads / group;
+    float *o = out + unit * d;
+    for (int64_t i = 0; i < d; i++) o[i] = bias_v ? bias_v[g * d + i] : 0.0f;
+    for (int64_t c = 0; c < r_v; c++) {
+      float p = mixed[unit * r_v + c];
+      const float *row = u_v + (g * r_v + c) * d;
+      for (int64_t i = 0; i < d; i++) o[i] += p * row[i];
+    }
+  }
+  free(queries);
   return 0;
 }

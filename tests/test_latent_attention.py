@@ -1,0 +1,140 @@
+"""The native latent attention (``eager_attention.decode_latent_native``: the new latents
+written and the decode attention in one call) against the cache write and torch's form
+(``decode_latent`` with the torch scores: keys rebuilt by one GEMM, rotated, scored by
+batched products, softmax, · z_v, times U_v per KV head), on paged caches whose blocks
+lie in random order among blocks of noise.
+
+fp32 only; tolerance 1e-4 of the output's scale (the scores sum in another order, and
+the softmax is the kernel's). Over hypothesis shapes: up to cpu-135m's head_dim and KV
+heads, query groups of 1-3, ranks that copy none, some or all key columns, r_v below
+and past the vector width, a bias on v or none, sequences that end inside a block and
+inside a tile of tokens, one or two threads; and the source built for narrower vector
+units than this CPU's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from runtime.kernels import latent_scores, native_build
+from runtime.model.eager_attention import (
+    LatentFactors,
+    cache_context,
+    decode_latent,
+    decode_latent_native,
+)
+from runtime.model.paged_cache import LayerCache
+from tests.conftest import assert_x86_vectors, narrower_builds
+from tests.test_eager import randn, up_in_copy_basis
+
+TOL = 1e-4
+BLOCK = 4
+
+
+def _factors(kv, d, r_k, r_v, style, copy_ranks, bias, native: bool) -> LatentFactors:
+    u_k, _ = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
+    return LatentFactors(
+        r_k=r_k,
+        kv_heads=kv,
+        head_dim=d,
+        u_k=u_k,
+        u_v=randn(r_v, kv * d, seed=15),
+        bias_k=None,
+        bias_v=randn(kv * d, seed=16) if bias else None,
+        k_norm=None,
+        eps=1e-6,
+        rope_style=style,
+        inv_freq=1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
+        native=native,
+    )
+
+
+def _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias) -> None:
+    native = _factors(kv, d, r_k, r_v, style, copy_ranks, bias, True)
+    plain = _factors(kv, d, r_k, r_v, style, copy_ranks, bias, False)
+    assert native.native_scores is not None, "the native kernel did not build or take it"
+    g = torch.Generator().manual_seed(sum(lengths) + r_v)
+    tables, used = [], 0
+    blocks = sum(-(-n // BLOCK) for n in lengths) * 2 + 1
+    order = torch.randperm(blocks, generator=g).tolist()
+    for n in lengths:
+        count = -(-n // BLOCK)
+        tables.append(order[used : used + count])
+        used += count
+    ctx = cache_context(tables, lengths, BLOCK, None, torch.device("cpu"))
+    pool = torch.randn(blocks, BLOCK, r_k + r_v, generator=g)
+    ours, theirs = LayerCache("latent", latent=pool.clone()), LayerCache("latent", latent=pool)
+    new_slots = ctx.slots[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
+    # the new latents as the layer hands them: columns of a wider gathered latent
+    latent = torch.randn(len(lengths), r_k + r_v + 5, generator=g)[:, 2 : 2 + r_k + r_v]
+    q = torch.randn(len(lengths), kv * group, d, generator=g)
+    got = decode_latent_native(q, latent, new_slots, ours, ctx, native, 0.125)
+    assert got is not None
+    theirs.write(new_slots, None, None, latent)
+    want = decode_latent(q, theirs, ctx, plain, 0.125)
+    assert torch.equal(ours.latent, theirs.latent), "the new latents not at their slots"
+    scale = want.abs().max().item() + 1e-6
+    err = (got - want).abs().max().item()
+    assert err <= TOL * scale, f"max error {err:.3g} > {TOL} x {scale:.3g}"
+
+
+@settings(deadline=None)  # the profile's examples: 25 in CI, 300 thorough
+@given(
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 64]),
+    r_k=st.integers(2, 130),
+    r_v=st.integers(1, 70),
+    style=st.sampled_from(["neox", "gptj"]),
+    copy_ranks=st.sampled_from([None, 1, 2]),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+)
+# cpu-135m's layer at 40% (116 of 192 key columns copied, 76 rebuilt; r_v 116)
+@example([7, 23, 1, 16], 3, 3, 64, 116, 116, "neox", 1, False, 2)
+def test_the_native_attention_equals_the_write_and_torch_s_form(
+    lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias, threads
+):
+    r_k = min(r_k, kv * d * (copy_ranks or 1))  # no more latent columns than keys
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+@narrower_builds
+def test_narrower_builds_attend_the_same(tmp_path: Path, monkeypatch, flags, width):
+    assert_x86_vectors()
+    lib = latent_scores.build_library("cc", tmp_path / "lib.so", (*native_build.FLAGS, *flags))
+    assert lib.width == width
+    monkeypatch.setattr("runtime.model.native_key_scores.latent_scores_library", lambda: lib)
+    for lengths, kv, d, r_k, r_v, copy_ranks in [
+        ([5, 2], 1, 8, 5, 3, None),
+        ([9, 1, 4], 2, 16, 20, 8, 1),
+        ([13], 3, 64, 116, 116, 1),
+        ([3, 11], 2, 64, 128, 9, 1),  # every key column copied
+    ]:
+        _attention_matches(lengths, kv, 2, d, r_k, r_v, "neox", copy_ranks, True)
+
+
+def test_the_native_attention_refuses_what_it_would_misread():
+    f = _factors(2, 8, 6, 3, "neox", 1, False, True)
+    ctx = cache_context([[0, 1], [2]], [5, 3], BLOCK, None, torch.device("cpu"))
+    cache = LayerCache("latent", latent=torch.randn(4, BLOCK, 9))
+    q, latent, new_slots = torch.randn(2, 4, 8), torch.randn(2, 9), torch.tensor([4, 10])
+    assert decode_latent_native(q, latent, new_slots, cache, ctx, f, 1.0).shape == (2, 4, 8)
+    assert decode_latent_native(q.double(), latent, new_slots, cache, ctx, f, 1.0) is None
+    assert decode_latent_native(q, None, new_slots, cache, ctx, f, 1.0) is None
+    with pytest.raises(ValueError, match="slots within the cache's rows"):
+        decode_latent_native(q, latent, torch.tensor([4, 16]), cache, ctx, f, 1.0)
+    with pytest.raises(ValueError, match="new latents"):
+        decode_latent_native(q, latent[:, :8], new_slots, cache, ctx, f, 1.0)
+    with pytest.raises(ValueError, match="whole KV head groups"):
+        decode_latent_native(q[:, :3], latent, new_slots, cache, ctx, f, 1.0)
