@@ -258,3 +258,42 @@ def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_d
     assert torch.allclose(got, want, **TOL)
     # operands it does not take: the caller keeps to torch's ops
     assert decode_block_library().cached_attention(q.double(), k, v, operands, 1.0) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    hidden=st.integers(1, 40),
+    q_width=st.integers(1, 40),
+    q_rank=st.one_of(st.none(), st.integers(1, 21)),
+    kv_ranks=st.lists(st.integers(1, 21), min_size=2, max_size=2),
+    parts=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_a_latent_cache_layers_projections_equal_torch(
+    m, hidden, q_width, q_rank, kv_ranks, parts, seed
+):
+    """A latent-cache layer's q and k|v latent from one norm: q's matrix beside the k and
+    v down factors (``q_and_latent``), or q's latent first among the group's down factors
+    and its up factor from it (``latent_project``, q_rank not None)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, norm_w = torch.randn(m, hidden, generator=gen), torch.rand(hidden, generator=gen) + 0.5
+    summands = [torch.randn(m, hidden, generator=gen) for _ in range(parts)]
+    x_want = _residual(x, summands)
+    normed = _rms(x_want, norm_w, 1e-6)
+    lib, norm = decode_block_library(), (norm_w, 1e-6)
+    if q_rank is None:
+        q_proj, q_ref = _projection(gen, hidden, [q_width], None)
+        kv = torch.randn(hidden, sum(kv_ranks), generator=gen) / hidden**0.5
+        kv_proj = Projection(_panels(kv), kv.shape[1])
+        q, latent = lib.q_and_latent(x, summands, norm, q_proj, kv_proj)
+        q_want, latent_want = normed @ q_ref, normed @ kv
+    else:
+        cat = torch.randn(hidden, q_rank + sum(kv_ranks), generator=gen) / hidden**0.5
+        u_q = torch.randn(q_rank, q_width, generator=gen) / q_rank**0.5
+        proj = Projection(_panels(cat), cat.shape[1], ((_panels(u_q), q_rank, q_width),))
+        q, latent = lib.latent_project(x, summands, norm, proj)
+        latent_want = normed @ cat
+        q_want = latent_want[:, :q_rank] @ u_q
+    assert torch.equal(x, x_want)
+    assert torch.allclose(q, q_want, **TOL) and torch.allclose(latent, latent_want, **TOL)

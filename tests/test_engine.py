@@ -106,6 +106,10 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         half = mode == "deinfer" and kv == "latent" and path == "dynamic" and mlp_whole
         halves = CONFIG["num_hidden_layers"] if half else 0
         assert llm.workers.call("mlp_half_layers") == [halves] * tp
+        # and on one rank the attention's projections (q merged beside the k|v latent, or
+        # q's latent first in it)
+        attn_halves = halves if tp == 1 else 0
+        assert llm.workers.call("latent_half_layers") == [attn_halves] * tp
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS for o in outs)
@@ -184,6 +188,8 @@ def test_a_rank_alone_counts_the_collectives_the_plan_counts(model, kv):
             llm.workers.call("decode_block_layers")[0] + llm.workers.call("mlp_half_layers")[0]
         )
         assert natively == CONFIG["num_hidden_layers"]
+        latent_halves = CONFIG["num_hidden_layers"] if kv == "latent" else 0
+        assert llm.workers.call("latent_half_layers") == [latent_halves]
         llm.workers.call("set_comm_stats", "count")
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         stats = llm.workers.call("take_comm_stats")[0]

@@ -321,6 +321,11 @@ class ModelRunner:
         block's MLP half."""
         return sum(getattr(layer, "mlp_half", None) is not None for layer in self.model.layers)
 
+    def latent_half_layers(self) -> int:
+        """How many of those take their attention's projections through native calls too
+        (``LatentAttentionHalf``)."""
+        return sum(getattr(layer, "latent_half", None) is not None for layer in self.model.layers)
+
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""
         return self.gemm.describe()

@@ -2,7 +2,8 @@
 calls, the attention half and the MLP half, each one parallel region over panel-packed
 weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
 machine (``native_build``); and the dense cache's write and attention alone
-(``DecodeBlockLibrary.cached_attention``) for layers that make their own projections.
+(``DecodeBlockLibrary.cached_attention``) for layers that make their own projections,
+and a latent-cache layer's q beside its k|v latent (``q_and_latent``, ``latent_project``).
 The layers use it
 through ``runtime.model.decode_block``; where it did not build they run their ops one by
 one."""
@@ -107,17 +108,55 @@ class DecodeBlockLibrary:
         self,
         x: torch.Tensor,
         parts: list[torch.Tensor],
-        norm: tuple[torch.Tensor, float],
+        norm: tuple[torch.Tensor, float] | None,
         projection: Projection,
     ) -> torch.Tensor:
         """``decode_norm_project``: x [m, h] += parts (in place), and the normed x times
         ``projection`` [m, its columns] (across ranks: a column group's down factors'
-        shard, whose latent the ranks all-gather)."""
+        shard, whose latent the ranks all-gather); norm None: x as it is (no parts)."""
         if projection.in_width != x.shape[-1]:
             raise ValueError(f"decode block: projection of {projection.in_width} for x {x.shape}")
         return self._half(
             "decode_norm_project", x, parts, norm, projection.out_width, projection.address
         )
+
+    def latent_project(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        projection: Projection,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_latent_project``: x [m, h] += parts (in place); (the normed x times a
+        low-rank ``projection`` [m, its up factors' columns], its latent [m, its down
+        factors' columns])."""
+        if projection.down is None or not projection.ups or projection.in_width != x.shape[-1]:
+            raise ValueError(f"decode block: a low-rank projection from x {tuple(x.shape)}")
+        latent = torch.empty(x.shape[0], projection.columns)
+        out = self._half(
+            "decode_latent_project", x, parts, norm, projection.out_width,
+            projection.address, latent.data_ptr(),
+        )  # fmt: skip
+        return out, latent
+
+    def q_and_latent(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        q: Projection,
+        kv: Projection,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_q_and_latent``: x [m, h] += parts (in place); (the normed x times ``q``
+        [m, its columns], and times ``kv`` (dense: k's and v's down factors) [m, ·])."""
+        if kv.ups or not q.in_width == kv.in_width == x.shape[-1]:
+            raise ValueError(f"decode block: q and a k|v latent from x {tuple(x.shape)}")
+        latent = torch.empty(x.shape[0], kv.out_width)
+        out = self._half(
+            "decode_q_and_latent", x, parts, norm, q.out_width, q.address, kv.address,
+            latent.data_ptr(),
+        )  # fmt: skip
+        return out, latent
 
     def attention(
         self,
@@ -248,6 +287,8 @@ _SIGNATURES = {
     "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
     "decode_mlp": _HALF + "pipp",
     "decode_norm_project": _HALF + "pp",
+    "decode_latent_project": _HALF + "ppp",
+    "decode_q_and_latent": _HALF + "pppp",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
 }
 _TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}

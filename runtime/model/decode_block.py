@@ -18,9 +18,10 @@ all-gather its latent, and the rest of the half runs from that latent (its up fa
 (the latent of width r, which the layer all-reduces and multiplies by the up factor).
 A column group whose down factors every rank holds whole is one call, as on one rank.
 
-A layer over a latent cache runs the MLP half alone (``MlpHalf``): its attention reads
-the latents op by op (``runtime.model.eager_attention``), then one call adds the
-attention's output to x and computes the MLP.
+A layer over a latent cache runs the MLP half alone (``MlpHalf``) after its attention:
+on one rank its projections in two native calls (``LatentAttentionHalf``) around one
+native latent attention (``runtime.model.eager_attention``), else op by op; then one
+call adds the attention's output to x and computes the MLP.
 """
 
 from __future__ import annotations
@@ -213,6 +214,69 @@ class MlpHalf:
             self.library, x, summands, (self.post_norm, self.eps), self.gate_up, gather
         )
         return self.library.mlp(source, parts, norm, up, self.inter, self.down)
+
+
+@dataclass(frozen=True)
+class LatentAttentionHalf:
+    """A latent-cache layer's attention projections on one rank, in two native calls
+    around its latent attention (``runtime.model.eager_attention.decode_latent_native``):
+    x += summands, RMSNorm, then q beside the k|v latent (the cache's columns ``kv`` of
+    it) — q's matrix and the group's down factors (``q`` and ``qkv``), or, where q's
+    latent comes first in the group's, the down factors side by side then q's up factor
+    (``qkv``, ``q`` None); then the heads' output times W_o (dense, or its factors)."""
+
+    library: DecodeBlockLibrary
+    eps: float
+    input_norm: torch.Tensor
+    q: Projection | None
+    qkv: Projection
+    kv: tuple[int, int]  # the latent's k|v columns: (first, count)
+    o: Projection
+
+    @staticmethod
+    def of(
+        model: ModelConfig, weights: dict[str, object], kv: tuple[int, int]
+    ) -> LatentAttentionHalf | None:
+        """The projections of a layer with these weights (packed) whose latent holds k|v
+        at ``kv`` (q's dense matrix ``q.weight`` beside it, or q's rows first), or None
+        where a matrix is not held as panels alone or the shapes do not fit."""
+        cat, o = _panels(weights, "attn.cat"), _projection(weights, "o", 1)
+        dense_q, q_up = _panels(weights, "q.weight"), _panels(weights, "q.u")
+        if cat is None or (dense_q or q_up) is None or not isinstance(o, Projection):
+            return None
+        h, (first, count) = weights["input_norm.weight"].shape[0], kv
+        q_width = (dense_q or q_up).shape[1]
+        fits = (
+            cat.shape[0] == h
+            and first + count <= cat.shape[1]
+            and (dense_q is not None or q_up.shape[0] <= first)
+            and (dense_q is None or dense_q.shape[0] == h)
+            and q_width == o.in_width
+            and o.out_width == h
+        )
+        if not fits:
+            return None
+        if dense_q is not None:
+            q, qkv = Projection(dense_q.copy, q_width), Projection(cat.copy, cat.shape[1])
+        else:
+            q, qkv = None, Projection(cat.copy, cat.shape[1], ((q_up.copy, *q_up.shape),))
+        norm = weights["input_norm.weight"].contiguous()
+        library = decode_block_library()
+        return LatentAttentionHalf(library, model.norm.eps, norm, q, qkv, kv, o)
+
+    def project(self, x: torch.Tensor, summands: list[torch.Tensor]) -> tuple:
+        """x += summands (in place); (q [m, heads · d] before RoPE, the k|v latent [m, ·])."""
+        norm = (self.input_norm, self.eps)
+        if self.q is None:
+            q, latent = self.library.latent_project(x, summands, norm, self.qkv)
+        else:
+            q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv)
+        first, count = self.kv
+        return q, latent[:, first : first + count]
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """The heads' output [m, heads · d] times W_o [m, h]."""
+        return self.library.norm_project(attended, [], None, self.o)
 
 
 @dataclass(frozen=True)

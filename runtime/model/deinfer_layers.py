@@ -10,6 +10,7 @@ import torch
 from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
+from runtime.model.decode_block import LatentAttentionHalf, matrices_of
 from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer, LayerSetup
 
 
@@ -45,6 +46,28 @@ class DeinferLayer(DecoderLayer):
             if cat is not None and tuple(n for n, _ in cat.members) != order:
                 return False
         return True
+
+    def latent_attention_names(self) -> list[str]:
+        """On one rank: the group's concatenated down factors, q's matrix (merged) or up
+        factor (its latent first in the group's), and o's matrices
+        (``LatentAttentionHalf``)."""
+        cat = self.s.plan.concat("attn")
+        if not self.s.latent_cache or self.s.comm.world > 1 or cat is None:
+            return []
+        if self.w("q.weight") is not None:
+            q = "q.weight"
+        elif cat.members[0][0] == "q" and self.w("q.u") is not None:
+            q = "q.u"
+        else:
+            return []
+        o = matrices_of({name: self.w(name) for name in self.names}, False, ("o",))
+        return [] if o is None else ["attn.cat", q, *o]
+
+    def latent_attention_half(self, weights: dict[str, object]) -> LatentAttentionHalf | None:
+        if not self.latent_attention_names():
+            return None
+        kv = (self.s.plan.concat("attn").member_offset("k"), self.s.plan.kv_latent_per_rank)
+        return LatentAttentionHalf.of(self.s.model, weights, kv)
 
     def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """On one rank the block's output is whole; across ranks a merged row's is a

@@ -29,6 +29,7 @@ from runtime.model.decode_block import (
     MLP_PROJECTIONS,
     PROJECTIONS,
     DecodeBlock,
+    LatentAttentionHalf,
     MlpHalf,
     covers,
     matrices_of,
@@ -84,6 +85,7 @@ class DecoderLayer(nn.Module):
     # a latent-cache layer's: the MLP half alone
     decode_block: DecodeBlock | None = None
     mlp_half: MlpHalf | None = None
+    latent_half: LatentAttentionHalf | None = None  # and its attention's projections
 
     def decode_block_allowed(self) -> bool:
         """Whether this layer's dataflow is the native decode block's (two half-blocks,
@@ -101,7 +103,17 @@ class DecoderLayer(nn.Module):
         keys = MLP_PROJECTIONS if self.s.latent_cache else tuple(PROJECTIONS)
         if not (allowed and covers(self.s.model, weights, across, keys)):
             return []
-        return matrices_of(weights, across, keys) or []
+        names = matrices_of(weights, across, keys) or []
+        return names and names + self.latent_attention_names()
+
+    def latent_attention_names(self) -> list[str]:
+        """The matrices of a latent-cache layer's attention that ``LatentAttentionHalf``
+        multiplies (none: its attention runs op by op)."""
+        return []
+
+    def latent_attention_half(self, weights: dict[str, object]) -> LatentAttentionHalf | None:
+        """The native projections of a latent-cache layer's attention, where it has them."""
+        return None
 
     def decode_block_matrices(self) -> list[torch.Tensor]:
         """The matrices of ``decode_block_names``."""
@@ -113,6 +125,7 @@ class DecoderLayer(nn.Module):
             weights = {name: self.w(name) for name in self.names}
             if self.s.latent_cache:
                 self.mlp_half = MlpHalf.of(self.s.model, weights, self.s.comm.world)
+                self.latent_half = self.latent_attention_half(weights)
             else:
                 self.decode_block = DecodeBlock.of(self.s.model, weights, self.s.comm.world)
 
@@ -124,10 +137,8 @@ class DecoderLayer(nn.Module):
         MLP half after the attention op by op (a latent cache); else None."""
         gather = self.s.comm.all_gather_columns
         if self.mlp_half is not None and batch.decode:
-            if summands:
-                eager.add_summands(x, summands)
-            attended = self.attention_block(x, batch)  # reduced: the MLP half adds it to x
-            down = self.mlp_half.mlp(x, [attended], gather)
+            attended = self.latent_decode_attention(x, summands or [], batch)
+            down = self.mlp_half.mlp(x, [attended], gather)  # adds the attention to x
             return x, self.row_summands("down", down, batch)
         if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
             return None
@@ -138,6 +149,24 @@ class DecoderLayer(nn.Module):
         o = block.attention(x, summands or [], batch.rope_tables, cache, gather)
         down = block.mlp(x, self.row_summands("o", o, batch), gather)
         return x, self.row_summands("down", down, batch)
+
+    def latent_decode_attention(
+        self, x: torch.Tensor, summands: list[torch.Tensor], batch: Batch
+    ) -> torch.Tensor:
+        """x += summands (in place); a latent-cache layer's attention output, reduced:
+        through ``latent_half`` (its projections in two native calls, q rotated, the
+        cache's native latent attention), or op by op."""
+        half = self.latent_half
+        if half is None:
+            if summands:
+                eager.add_summands(x, summands)
+            return self.attention_block(x, batch)
+        rows, d = x.shape[0], self.s.model.head_dim
+        q, latent = half.project(x, summands)
+        q = self.s.execution.rope(q.view(rows, -1, d), batch, self.s.inv_freq)
+        attended = batch.attention(self.index, q, None, None, latent).reshape(rows, -1)
+        (out,) = self.row_summands("o", half.output(attended), batch)
+        return out
 
     def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """What the next norm adds for the native block's row projection ``name``'s
