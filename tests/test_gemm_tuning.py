@@ -188,8 +188,9 @@ def _per_layer_model(tmp_path):
 
 
 def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_path, monkeypatch):
-    """A model whose every layer has its own ranks (≥ 30 distinct factor shapes to time;
-    the MLP's, which the native MLP half multiplies, are panels untimed): the
+    """A model whose every layer has its own ranks (more distinct shapes to time than the
+    budget of 5; the MLP's and the attention's projections, which the native halves
+    multiply, are panels untimed): the
     first start times at most the budget, the second none, and both decode alike; a
     cache filled ahead of time by ``deinfer tune --checkpoint`` leaves a start nothing
     to time."""
@@ -208,7 +209,7 @@ def test_an_engine_with_per_layer_ranks_times_within_budget_then_nothing(tmp_pat
             reports.append(llm.tuning())
             outputs.append(llm.generate([[1, 2, 3, 4]], params)[0].token_ids)
     first, second = reports
-    assert first.shapes >= 30, first
+    assert first.shapes >= 10, first
     assert 1 <= first.timed <= 5 and first.cached == 0
     assert (second.timed, second.cached) == (0, first.classes)
     assert outputs[0] == outputs[1]
