@@ -260,6 +260,28 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
   return 0;
 }
 
+/* x [m][h] += parts; the normed x (RMSNorm . norm_w) times proj -> out [m][its columns],
+ * and times then (NULL: none; dense: it takes no scratch) -> then_out; keep (NULL: not
+ * kept): proj's latent [m][its down factors' columns]. One parallel region; returns 0,
+ * or -1 without scratch memory. */
+static int norm_and_project(float *x, int64_t m, int64_t h, const float *const *parts,
+                            const int64_t *ld_parts, int64_t nparts, const float *norm_w,
+                            float eps, const projection_t *proj, float *out,
+                            const projection_t *then, float *then_out, float *keep) {
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m)));
+  if (!xt) return -1;
+  float *normed = xt + h * m, *z = normed + h * m;
+#pragma omp parallel
+  {
+    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+    project(proj, xt, m, h, z, out, out_width(proj));
+    if (then) project(then, xt, m, h, NULL, then_out, out_width(then));
+  }
+  if (keep) memcpy(keep, z, sizeof(float) * (size_t)(m * proj->n_down));
+  free(xt);
+  return 0;
+}
+
 /* Across ranks, the first piece of a half whose column group is low-rank: x [m][h] +=
  * parts; out [m][proj's columns] = RMSNorm(x) . norm_w times proj (the group's down
  * factors' shard), the latent the ranks then all-gather. Returns 0, or -1 without
@@ -267,58 +289,32 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
 int decode_norm_project(float *x, int64_t m, int64_t h, const float *const *parts,
                         const int64_t *ld_parts, int64_t nparts, const float *norm_w,
                         float eps, const projection_t *proj, float *out) {
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m)));
-  if (!xt) return -1;
-  float *normed = xt + h * m, *z = normed + h * m;
-#pragma omp parallel
-  {
-    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
-    project(proj, xt, m, h, z, out, out_width(proj));
-  }
-  free(xt);
-  return 0;
+  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, proj, out, NULL, NULL,
+                          NULL);
 }
 
 /* decode_norm_project through a low-rank projection's up factors, keeping its latent:
- * x [m][h] += parts; latent [m][proj's n_down] = RMSNorm(x) . norm_w times proj's down
- * factors; out [m][its up factors' columns] = the latent's first rows' product with them
- * (a latent-cache layer's q|k|v: q's up factor alone, the k and v columns of the latent
+ * latent [m][proj's n_down] = RMSNorm(x) . norm_w times proj's down factors; out
+ * [m][its up factors' columns] = the latent's first rows' product with them (a
+ * latent-cache layer's q|k|v: q's up factor alone, the k and v columns of the latent
  * are the cache's). Returns 0, or -1 without scratch memory. */
 int decode_latent_project(float *x, int64_t m, int64_t h, const float *const *parts,
                           const int64_t *ld_parts, int64_t nparts, const float *norm_w,
                           float eps, const projection_t *proj, float *latent, float *out) {
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m)));
-  if (!xt) return -1;
-  float *normed = xt + h * m, *z = normed + h * m;
-#pragma omp parallel
-  {
-    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
-    project(proj, xt, m, h, z, out, out_width(proj));
-  }
-  memcpy(latent, z, sizeof(float) * (size_t)(m * proj->n_down));
-  free(xt);
-  return 0;
+  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, proj, out, NULL, NULL,
+                          latent);
 }
 
-/* A latent-cache layer's q beside its k|v latent, from one norm: x [m][h] += parts;
- * out [m][q_proj's columns] = RMSNorm(x) . norm_w times q_proj (q's matrix); latent
- * [m][kv_proj's columns] = the same times kv_proj (k's and v's down factors side by
- * side). Returns 0, or -1 without scratch memory. */
+/* A latent-cache layer's q beside its k|v latent, from one norm: out [m][q_proj's
+ * columns] = RMSNorm(x) . norm_w times q_proj (q's matrix); latent [m][kv_proj's
+ * columns] = the same times kv_proj (k's and v's down factors side by side, dense).
+ * Returns 0, or -1 without scratch memory. */
 int decode_q_and_latent(float *x, int64_t m, int64_t h, const float *const *parts,
                         const int64_t *ld_parts, int64_t nparts, const float *norm_w,
                         float eps, const projection_t *q_proj, const projection_t *kv_proj,
                         float *latent, float *out) {
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(q_proj, m)));
-  if (!xt) return -1;
-  float *normed = xt + h * m, *z = normed + h * m;
-#pragma omp parallel
-  {
-    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
-    project(q_proj, xt, m, h, z, out, out_width(q_proj));
-    project(kv_proj, xt, m, h, z, latent, out_width(kv_proj));
-  }
-  free(xt);
-  return 0;
+  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, q_proj, out, kv_proj,
+                          latent, NULL);
 }
 
 /* A decode step's attention over a dense cache alone, for layers that make their own
