@@ -273,9 +273,9 @@ def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_d
 def test_a_latent_cache_layers_projections_equal_torch(
     m, hidden, q_width, q_rank, kv_ranks, parts, seed
 ):
-    """A latent-cache layer's q and k|v latent from one norm: q's matrix beside the k and
-    v down factors (``q_and_latent``), or q's latent first among the group's down factors
-    and its up factor from it (``latent_project``, q_rank not None)."""
+    """A latent-cache layer's q and k|v latent from one norm (``q_and_latent``): q's
+    matrix beside the k and v down factors, or (q_rank not None) q's latent first among
+    the group's down factors and its up factor from it."""
     gen = torch.Generator().manual_seed(seed)
     x, norm_w = torch.randn(m, hidden, generator=gen), torch.rand(hidden, generator=gen) + 0.5
     summands = [torch.randn(m, hidden, generator=gen) for _ in range(parts)]
@@ -292,7 +292,7 @@ def test_a_latent_cache_layers_projections_equal_torch(
         cat = torch.randn(hidden, q_rank + sum(kv_ranks), generator=gen) / hidden**0.5
         u_q = torch.randn(q_rank, q_width, generator=gen) / q_rank**0.5
         proj = Projection(_panels(cat), cat.shape[1], ((_panels(u_q), q_rank, q_width),))
-        q, latent = lib.latent_project(x, summands, norm, proj)
+        q, latent = lib.q_and_latent(x, summands, norm, None, proj)
         latent_want = normed @ cat
         q_want = latent_want[:, :q_rank] @ u_q
     assert torch.equal(x, x_want)

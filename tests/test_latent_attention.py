@@ -22,40 +22,21 @@ from hypothesis import strategies as st
 
 from runtime.kernels import latent_scores, native_build
 from runtime.model.eager_attention import (
-    LatentFactors,
     cache_context,
     decode_latent,
     decode_latent_native,
 )
 from runtime.model.paged_cache import LayerCache
 from tests.conftest import assert_x86_vectors, narrower_builds
-from tests.test_eager import randn, up_in_copy_basis
+from tests.test_latent_scores import _factors
 
 TOL = 1e-4
 BLOCK = 4
 
 
-def _factors(kv, d, r_k, r_v, style, copy_ranks, bias, native: bool) -> LatentFactors:
-    u_k, _ = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
-    return LatentFactors(
-        r_k=r_k,
-        kv_heads=kv,
-        head_dim=d,
-        u_k=u_k,
-        u_v=randn(r_v, kv * d, seed=15),
-        bias_k=None,
-        bias_v=randn(kv * d, seed=16) if bias else None,
-        k_norm=None,
-        eps=1e-6,
-        rope_style=style,
-        inv_freq=1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
-        native=native,
-    )
-
-
 def _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias) -> None:
-    native = _factors(kv, d, r_k, r_v, style, copy_ranks, bias, True)
-    plain = _factors(kv, d, r_k, r_v, style, copy_ranks, bias, False)
+    native = _factors(kv, d, r_k, style, copy_ranks, True, r_v, bias)
+    plain = _factors(kv, d, r_k, style, copy_ranks, False, r_v, bias)
     assert native.native_scores is not None, "the native kernel did not build or take it"
     g = torch.Generator().manual_seed(sum(lengths) + r_v)
     tables, used = [], 0
@@ -125,7 +106,7 @@ def test_narrower_builds_attend_the_same(tmp_path: Path, monkeypatch, flags, wid
 
 
 def test_the_native_attention_refuses_what_it_would_misread():
-    f = _factors(2, 8, 6, 3, "neox", 1, False, True)
+    f = _factors(2, 8, 6, "neox", 1, True)
     ctx = cache_context([[0, 1], [2]], [5, 3], BLOCK, None, torch.device("cpu"))
     cache = LayerCache("latent", latent=torch.randn(4, BLOCK, 9))
     q, latent, new_slots = torch.randn(2, 4, 8), torch.randn(2, 9), torch.tensor([4, 10])

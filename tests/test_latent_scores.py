@@ -28,16 +28,25 @@ from tests.test_eager import randn, up_in_copy_basis
 TOL = 1e-4
 
 
-def _factors(kv: int, d: int, r_k: int, style: str, copy_ranks: int | None, native: bool):
+def _factors(
+    kv: int,
+    d: int,
+    r_k: int,
+    style: str,
+    copy_ranks: int | None,
+    native: bool,
+    r_v: int = 3,
+    bias_v: bool = False,
+) -> LatentFactors:
     u_k, _ = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
     return LatentFactors(
         r_k=r_k,
         kv_heads=kv,
         head_dim=d,
         u_k=u_k,
-        u_v=randn(3, kv * d, seed=15),
+        u_v=randn(r_v, kv * d, seed=15),
         bias_k=None,
-        bias_v=None,
+        bias_v=randn(kv * d, seed=16) if bias_v else None,
         k_norm=None,
         eps=1e-6,
         rope_style=style,

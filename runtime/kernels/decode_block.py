@@ -3,7 +3,7 @@ calls, the attention half and the MLP half, each one parallel region over panel-
 weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
 machine (``native_build``); and the dense cache's write and attention alone
 (``DecodeBlockLibrary.cached_attention``) for layers that make their own projections,
-and a latent-cache layer's q beside its k|v latent (``q_and_latent``, ``latent_project``).
+and a latent-cache layer's q beside its k|v latent (``q_and_latent``).
 The layers use it
 through ``runtime.model.decode_block``; where it did not build they run their ops one by
 one."""
@@ -120,41 +120,28 @@ class DecodeBlockLibrary:
             "decode_norm_project", x, parts, norm, projection.out_width, projection.address
         )
 
-    def latent_project(
-        self,
-        x: torch.Tensor,
-        parts: list[torch.Tensor],
-        norm: tuple[torch.Tensor, float],
-        projection: Projection,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode_latent_project``: x [m, h] += parts (in place); (the normed x times a
-        low-rank ``projection`` [m, its up factors' columns], its latent [m, its down
-        factors' columns])."""
-        if projection.down is None or not projection.ups or projection.in_width != x.shape[-1]:
-            raise ValueError(f"decode block: a low-rank projection from x {tuple(x.shape)}")
-        latent = torch.empty(x.shape[0], projection.columns)
-        out = self._half(
-            "decode_latent_project", x, parts, norm, projection.out_width,
-            projection.address, latent.data_ptr(),
-        )  # fmt: skip
-        return out, latent
-
     def q_and_latent(
         self,
         x: torch.Tensor,
         parts: list[torch.Tensor],
         norm: tuple[torch.Tensor, float],
-        q: Projection,
+        q: Projection | None,
         kv: Projection,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode_q_and_latent``: x [m, h] += parts (in place); (the normed x times ``q``
-        [m, its columns], and times ``kv`` (dense: k's and v's down factors) [m, ·])."""
-        if kv.ups or not q.in_width == kv.in_width == x.shape[-1]:
+        """``decode_q_and_latent``: x [m, h] += parts (in place); (q [m, ·], the latent
+        [m, kv's down columns]) from the normed x: ``q`` (dense) beside ``kv`` (dense: k's
+        and v's down factors); or, ``q`` None, ``kv`` low-rank with q's latent first and
+        q's up factor its one member."""
+        low_rank = q is None
+        if bool(kv.ups) != low_rank or kv.down is None or kv.in_width != x.shape[-1]:
             raise ValueError(f"decode block: q and a k|v latent from x {tuple(x.shape)}")
-        latent = torch.empty(x.shape[0], kv.out_width)
+        if not low_rank and (q.ups or q.in_width != x.shape[-1]):
+            raise ValueError(f"decode block: a dense q from x {tuple(x.shape)}")
+        latent = torch.empty(x.shape[0], kv.columns)
+        width = kv.out_width if low_rank else q.out_width
         out = self._half(
-            "decode_q_and_latent", x, parts, norm, q.out_width, q.address, kv.address,
-            latent.data_ptr(),
+            "decode_q_and_latent", x, parts, norm, width,
+            None if low_rank else q.address, kv.address, latent.data_ptr(),
         )  # fmt: skip
         return out, latent
 
@@ -287,7 +274,6 @@ _SIGNATURES = {
     "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
     "decode_mlp": _HALF + "pipp",
     "decode_norm_project": _HALF + "pp",
-    "decode_latent_project": _HALF + "ppp",
     "decode_q_and_latent": _HALF + "pppp",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
 }

@@ -67,8 +67,8 @@ class LatentScoresLibrary:
         (batch, length), heads, wpad = slots.shape, queries.shape[1], queries.shape[2]
         (first, copies), upad = copied, u_rest.shape[1]
         fp32 = all(t.dtype == torch.float32 for t in (rows, u_rest, cos, sin, queries))
-        keys = LatentKeys(r_k, copied, u_rest, cos, sin, torch.empty(0), torch.empty(0))
-        checks = {"fp32 operands": fp32} | self._key_checks(keys, rows, length, wpad)
+        key_checks = self._key_checks(r_k, copied, u_rest, cos, rows, length, wpad)
+        checks = {"fp32 operands": fp32} | key_checks
         _check("latent scores", checks | _row_checks(rows, slots, lengths, r_k))
         operands = (u_rest, cos, sin, queries)
         u_rest, cos, sin, queries = (t.contiguous() for t in operands)
@@ -84,14 +84,15 @@ class LatentScoresLibrary:
             raise MemoryError("latent scores: no scratch memory")
         return out
 
-    def _key_checks(self, keys: LatentKeys, rows: torch.Tensor, length: int, wpad: int):
-        (first, copies), upad = keys.copied, keys.u_rest.shape[1]
+    def _key_checks(self, r_k, copied, u_rest, cos, rows, length: int, wpad: int) -> dict:
+        """What ``latent_scores`` needs of the keys' operands (``scores``' arguments)."""
+        (first, copies), upad = copied, u_rest.shape[1]
         return {
             "even copies within a row": copies % 2 == 0 and first + copies <= rows.shape[-1],
-            "u_rest [r_k, padded]": keys.u_rest.shape[0] == keys.r_k and upad % self.width == 0,
+            "u_rest [r_k, padded]": u_rest.shape[0] == r_k and upad % self.width == 0,
             "padded queries": wpad % self.width == 0 and wpad >= copies,
             f"at most {self.max_width} columns": copies + upad <= self.max_width,
-            "tables [≥ L, wpad]": keys.cos.shape[0] >= length and keys.cos.shape[1] == wpad,
+            "tables [≥ L, wpad]": cos.shape[0] >= length and cos.shape[1] == wpad,
         }
 
     def values(
@@ -157,7 +158,7 @@ class LatentScoresLibrary:
             and keys.heads.numel() == width <= wpad,
             "bias_v [kv_heads · d]": bias_v is None or bias_v.numel() == kv_heads * d,
         }
-        checks |= self._key_checks(keys, rows, length, wpad)
+        checks |= self._key_checks(r_k, keys.copied, keys.u_rest, keys.cos, rows, length, wpad)
         _check("latent attention", checks | _row_checks(rows, slots, lengths, r_k))
         tensors = (q, u_v, keys.u_rest, keys.cos, keys.sin, slots, new_slots)
         q, u_v, u_rest, cos, sin, slots, new_slots = (t.contiguous() for t in tensors)

@@ -267,10 +267,7 @@ class LatentAttentionHalf:
     def project(self, x: torch.Tensor, summands: list[torch.Tensor]) -> tuple:
         """x += summands (in place); (q [m, heads · d] before RoPE, the k|v latent [m, ·])."""
         norm = (self.input_norm, self.eps)
-        if self.q is None:
-            q, latent = self.library.latent_project(x, summands, norm, self.qkv)
-        else:
-            q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv)
+        q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv)
         first, count = self.kv
         return q, latent[:, first : first + count]
 

@@ -305,8 +305,7 @@ def decode_latent_native(
     0.96x and 0.95x at full rank and at 40 % (two runs each, medians of 60 pairs of steps
     alternated in one engine)."""
     native, rows = f.native_scores, cache.latent_rows
-    operands = (q, rows) if latent is None else (q, rows, latent)
-    if native is None or latent is None or any(not _fp32_cpu(t) for t in operands):
+    if native is None or latent is None or not all(_fp32_cpu(t) for t in (q, rows, latent)):
         return None
     new, tokens = (latent, new_slots), (ctx.slots, ctx.lengths)
     columns, values = (f.key_dims, f.key_heads), (f.u_v_heads, f.bias_v)

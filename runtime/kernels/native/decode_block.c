@@ -293,26 +293,19 @@ int decode_norm_project(float *x, int64_t m, int64_t h, const float *const *part
                           NULL);
 }
 
-/* decode_norm_project through a low-rank projection's up factors, keeping its latent:
- * latent [m][proj's n_down] = RMSNorm(x) . norm_w times proj's down factors; out
- * [m][its up factors' columns] = the latent's first rows' product with them (a
- * latent-cache layer's q|k|v: q's up factor alone, the k and v columns of the latent
- * are the cache's). Returns 0, or -1 without scratch memory. */
-int decode_latent_project(float *x, int64_t m, int64_t h, const float *const *parts,
-                          const int64_t *ld_parts, int64_t nparts, const float *norm_w,
-                          float eps, const projection_t *proj, float *latent, float *out) {
-  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, proj, out, NULL, NULL,
-                          latent);
-}
-
-/* A latent-cache layer's q beside its k|v latent, from one norm: out [m][q_proj's
- * columns] = RMSNorm(x) . norm_w times q_proj (q's matrix); latent [m][kv_proj's
- * columns] = the same times kv_proj (k's and v's down factors side by side, dense).
- * Returns 0, or -1 without scratch memory. */
+/* A latent-cache layer's q beside its k|v latent, from one norm: out [m][q's columns],
+ * latent [m][kv_proj's down columns], both from RMSNorm(x) . norm_w. q_proj (q's merged
+ * matrix) times it -> out, and kv_proj (k's and v's down factors side by side, dense)
+ * -> latent; or, q_proj NULL, kv_proj is the group's down factors with q's latent first
+ * and q's up factor as its one member: its latent -> latent, q -> out. Returns 0, or -1
+ * without scratch memory. */
 int decode_q_and_latent(float *x, int64_t m, int64_t h, const float *const *parts,
                         const int64_t *ld_parts, int64_t nparts, const float *norm_w,
                         float eps, const projection_t *q_proj, const projection_t *kv_proj,
                         float *latent, float *out) {
+  if (!q_proj)
+    return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, kv_proj, out, NULL,
+                            NULL, latent);
   return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, q_proj, out, kv_proj,
                           latent, NULL);
 }
