@@ -15,10 +15,13 @@ PAPER_TP2 = {
 
 
 def _rows_by_link(results: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """{link: {row name: row}}, a row named by its mode and any down layout asked for."""
     out: dict[str, dict[str, dict]] = {}
     for v in results["variants"]:
         if v.get("link") and "breakdown" in v:
-            out.setdefault(v["link"], {})[v["mode"]] = v
+            down = v.get("down_layout", "auto")
+            name = v["mode"] + ("" if down == "auto" else f" down={down}")
+            out.setdefault(v["link"], {})[name] = v
     return out
 
 
@@ -34,6 +37,15 @@ def _err(measured: float, predicted: float | None) -> str:
     return "" if predicted is None else f"{predicted / measured - 1:+.0%}"
 
 
+def _own(breakdown: dict[str, Any]) -> str:
+    """The layers' own compute per block: the median, and the range over repetitions."""
+    own = breakdown.get("block_compute_ms_per_step")
+    if own is None:
+        return "–"
+    spread = [r for r in breakdown.get("block_compute_ms_per_rep", []) if r is not None]
+    return f"{own:.2f}" + (f" ({min(spread):.1f}–{max(spread):.1f})" if len(spread) > 1 else "")
+
+
 def link_markdown(results: dict[str, Any]) -> str:
     rows = _rows_by_link(results)
     if not rows:
@@ -42,11 +54,13 @@ def link_markdown(results: dict[str, Any]) -> str:
         "",
         "Per block and decode step, ms: measured (timed collectives; compute is the rest, "
         "with the block's share of the LM head and runtime) and predicted by the cost model "
-        "from this machine's calibrated profile and the rate measured across each link.",
+        "from this machine's calibrated profile and the rate measured across each link. "
+        "*layers' own*: the decoder layers' time less their collectives and the waits "
+        "before them, per block, on the slowest rank (median, and range, over repetitions).",
         "",
-        "| link | measured rate | mode | compute | (pred.) | comm | (pred.) | total | (pred.) "
-        "| comm / compute | decode tok/s | vs base | comm vs base |",
-        "| --- | ---: | --- |" + " ---: |" * 10,
+        "| link | measured rate | mode | compute | (pred.) | layers' own | comm | (pred.) | total "
+        "| (pred.) | comm / compute | decode tok/s | vs base | comm vs base |",
+        "| --- | ---: | --- |" + " ---: |" * 11,
     ]
     for link, modes in rows.items():
         base_comm = modes.get("base", {}).get("breakdown", {}).get("block_ms_per_step", {})
@@ -56,9 +70,11 @@ def link_markdown(results: dict[str, Any]) -> str:
             p = v.get("predicted", {})
             cut = f"{comm / base_comm['communication'] - 1:+.0%}" if base_comm else ""
             speed = v.get("decode_speedup_vs_base")
+            own = _own(v["breakdown"])
             lines.append(
                 f"| {link} | {_rate(results, link) / 1e6:.1f} MB/s | {mode} | {comp:.1f} | "
-                f"{_err(comp, p.get('compute_ms'))} | {comm:.1f} | {_err(comm, p.get('comm_ms'))} "
+                f"{_err(comp, p.get('compute_ms'))} | {own} | "
+                f"{comm:.1f} | {_err(comm, p.get('comm_ms'))} "
                 f"| {comp + comm:.1f} | {_err(comp + comm, p.get('total_ms'))} | "
                 f"{comm / comp:.2f} | {v['decode_tokens_per_s']['median']:.1f} | "
                 f"{'' if speed is None else f'{speed:.2f}x'} | {cut} |"
@@ -90,7 +106,8 @@ def link_plot(results: dict[str, Any], out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("deinfer", "dense"):
+    names = sorted({name for modes in rows.values() for name in modes if name != "base"})
+    for mode in names:
         points = sorted(
             (_rate(results, link), modes[mode]["decode_speedup_vs_base"])
             for link, modes in rows.items()

@@ -183,7 +183,9 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
     # are what the plan counts.
     n = 1 << (min(cfg.max_batch, cfg.num_requests).bit_length() - 1)
     prompts = prompts_for(cfg, n, vocab, cfg.seed + 3)
-    params = SamplingParams(max_tokens=cfg.breakdown_steps + 1)
+    # The engine's cache holds prompt_len + output_len tokens a request: more steps than
+    # that would stall the batch on the cache (and time nothing).
+    params = SamplingParams(max_tokens=min(cfg.breakdown_steps + 1, cfg.output_len))
     for p in prompts:
         llm.add_request(p, params)
     llm.step()  # prefill, not counted
@@ -195,14 +197,22 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
         steps += advanced > 0
         tokens += advanced
     elapsed = time.perf_counter() - start
-    stats = llm.workers.call("take_comm_stats")[0]
+    by_rank = llm.workers.call("take_comm_stats")
+    stats = by_rank[0]
     block = {k: v for k, v in stats.items() if ":" not in k}  # embedding/logits are tagged
     comm_ms = sum(v[2] for v in block.values()) / max(1, steps) / layers * 1e3
     total_ms = elapsed / max(1, steps) / layers * 1e3
     rank_ms = stats.get("step:rank", (0, 0, elapsed))[2] / max(1, steps) / layers * 1e3
     per_token = max(1, tokens) * layers
+    # The layers' own work on each rank (their time less their collectives and the waits
+    # before them); the slowest rank's is the step's critical path. None where no rank
+    # ran its layers eagerly (a graph replay records nothing).
+    per_block = 1e3 / max(1, steps) / layers
+    own = [r["step:blocks"][2] * per_block for r in by_rank if "step:blocks" in r]
     return {
         "block_ms_per_step": {"communication": comm_ms, "compute_and_overhead": total_ms - comm_ms},
+        "block_compute_ms_per_step": max(own) if own else None,
+        "block_compute_ms_per_step_by_rank": own,
         # The same step seen from rank 0 (its forward and sampling, without the driver's
         # scheduling and the messages to and from the ranks), per block.
         "rank_ms_per_step_per_block": rank_ms,
@@ -212,3 +222,23 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
         "decode_steps": steps,
         "decode_tokens": tokens,
     }
+
+
+def median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One breakdown from a breakdown per repetition: each figure's median (lists
+    element by element; counts, which every repetition shares, unchanged), with the
+    layers' own compute of each repetition beside it."""
+
+    def median(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: median([v[k] for v in values]) for k in first}
+        if isinstance(first, list):
+            return [median(list(column)) for column in zip(*values, strict=True)]
+        if first is None:
+            return None
+        return statistics.median(values)
+
+    out = median(runs)
+    out["block_compute_ms_per_rep"] = [r["block_compute_ms_per_step"] for r in runs]
+    return out

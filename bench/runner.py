@@ -27,6 +27,7 @@ from bench.config import PRESETS, BenchConfig, preset
 from bench.measure import (
     breakdown_run,
     lockstep_runs,
+    median_breakdown,
     prompts_for,
     serving_run,
     throughput_run,
@@ -38,6 +39,7 @@ from bench.variants import (
     cpu_times,
     machine,
     max_batch,
+    phases,
     planned_elements,
     steal_fraction,
     variant_spec,
@@ -268,7 +270,17 @@ class _Session:
                 raw[v].append(_measure(v, self.engine(v), self.cfg, self.vocab))
                 if self.planner and v.link:
                     self.planner.probe(self.engines[v.engine], v)
+                self._break_down(v, raw[v][-1])
         return raw
+
+    def _break_down(self, v: Variant, run: dict[str, Any]) -> None:
+        """The per-block breakdown, once per repetition (the row gives its medians)."""
+        if v.external or v.alone or not self.cfg.breakdown:  # a rank alone has no collectives
+            return
+        engine, spec = self.engines[v.engine], self.specs[v.engine]
+        engine.workers.call("set_comm_stats", "timed")
+        run["breakdown"] = breakdown_run(engine, self.cfg, self.vocab, spec.model.num_layers)
+        engine.workers.call("set_comm_stats", "off")
 
     def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
         """One repetition: transformers' rows alone, then the engine rows of each batch
@@ -302,6 +314,7 @@ class _Session:
                     raw[v][-1]["serving"] = serving_run(
                         self.engines[v.engine], self.cfg, self.vocab
                     )
+                self._break_down(v, raw[v][-1])
 
     def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
         row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
@@ -332,7 +345,7 @@ def run_bench(
     results["machine"]["memory_bandwidth_bytes_per_s"] = memory_bandwidth(cores)
     results["machine"]["bandwidth_threads"] = cores
     rows: dict[Variant, dict[str, Any]] = {}
-    for phase in _phases(cfg):
+    for phase in phases(cfg):
         session = _Session(cfg, planner, progress or (lambda message: None), phase)
         try:
             session.start()
@@ -347,18 +360,6 @@ def run_bench(
     results["machine"]["cpu_steal_fraction"] = steal_fraction(cpu_before, cpu_times())
     add_ratios(results)
     return results
-
-
-def _phases(cfg: BenchConfig) -> list[list[Variant]]:
-    """The rows whose engines live at once: all of them, or (``phase_by_tp``) those of
-    each tp degree, transformers' rows with the first."""
-    variants = variants_of(cfg)
-    if not cfg.phase_by_tp:
-        return [variants]
-    engines = [v for v in variants if not v.external]
-    phases = [[v for v in engines if v.tp == tp] for tp in dict.fromkeys(v.tp for v in engines)]
-    phases[0] += [v for v in variants if v.external]
-    return phases
 
 
 def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
@@ -390,9 +391,9 @@ def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig)
         # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
         "latent_key_copies": rank0("latent_key_copies"),
     }
-    if not v.external and cfg.breakdown and not v.alone:  # a rank alone has no collectives
-        engine.workers.call("set_comm_stats", "timed")
-        row["breakdown"] = breakdown_run(engine, cfg, spec.model.vocab_size, spec.model.num_layers)
+    breakdowns = [r["breakdown"] for r in runs if "breakdown" in r]
+    if breakdowns:
+        row["breakdown"] = median_breakdown(breakdowns)
         planned = planned_elements(spec, v.mode, row["up_layout_used"], row["down_layout_used"])
         row["planned_elements_per_token_per_block"] = planned
     return row

@@ -212,3 +212,15 @@ def variants_of(cfg: BenchConfig) -> list[Variant]:
             for threads in (None, *cfg.tp1_threads)
         ]
     return rows
+
+
+def phases(cfg: BenchConfig) -> list[list[Variant]]:
+    """The rows whose engines live at once: all of them, or (``phase_by_tp``) those of
+    each tp degree, transformers' rows with the first."""
+    variants = variants_of(cfg)
+    if not cfg.phase_by_tp:
+        return [variants]
+    engines = [v for v in variants if not v.external]
+    groups = [[v for v in engines if v.tp == tp] for tp in dict.fromkeys(v.tp for v in engines)]
+    groups[0] += [v for v in variants if v.external]
+    return groups

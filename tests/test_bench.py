@@ -77,6 +77,8 @@ def test_bench_structure_and_measured_comm_equals_plan(tmp_path):
             assert set(v["serving"][0][key]) == {"mean", "median", "p99"}
         d = v["decode_tokens_per_s"]
         assert d["min"] <= d["median"] <= d["max"]
+        # a breakdown per repetition, the row's figures their medians
+        assert len(v["breakdown"]["block_compute_ms_per_rep"]) == 2
         measured = v["breakdown"]["elements_per_token_per_block"]
         planned = v["planned_elements_per_token_per_block"]
         assert measured == pytest.approx(planned, rel=1e-12), v["label"]
@@ -272,7 +274,11 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
     for v in results["variants"]:
         assert set(v["predicted"]) == {"compute_ms", "comm_ms", "total_ms"}
         assert v["predicted"]["comm_ms"] > 0
-        assert v["breakdown"]["block_ms_per_step"]["communication"] > 0
+        block = v["breakdown"]["block_ms_per_step"]
+        assert block["communication"] > 0
+        # the layers' own work: within the step's time per block, never negative
+        own = v["breakdown"]["block_compute_ms_per_step"]
+        assert 0 < own < block["communication"] + block["compute_and_overhead"]
         base = next(
             b for b in results["variants"] if b["mode"] == "base" and b["link"] == v["link"]
         )

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.measure import median_breakdown
 from bench.report import markdown
-from bench.runner import BenchConfig, _phases, run_bench, variants_of
+from bench.runner import BenchConfig, run_bench, variants_of
+from bench.variants import phases
 from dsl import load_spec, with_tp
 from tests.conftest import SPECS
 from tests.test_bench import _tiny_bench
@@ -159,12 +161,12 @@ def test_lockstep_bench_rows_and_its_limits():
         lockstep=True,
         phase_by_tp=True,
     )
-    phases = [[v.label for v in phase] for phase in _phases(cfg)]
-    assert phases == [
+    labels = [[v.label for v in phase] for phase in phases(cfg)]
+    assert labels == [
         ["deinfer kv=dense tp1 b2", "deinfer kv=latent tp1 b2", "hf tp1 b2"],
         ["deinfer kv=dense tp2 b2", "deinfer kv=latent tp2 b2"],
     ]
-    assert [v.label for v in _phases(replace(cfg, phase_by_tp=False))[0]] == [
+    assert [v.label for v in phases(replace(cfg, phase_by_tp=False))[0]] == [
         v.label for v in variants_of(cfg)
     ]
     results = run_bench(cfg)
@@ -320,3 +322,28 @@ def test_a_rank_alone_engine_picks_the_up_layout_the_real_ranks_would(tmp_path):
             assert llm.workers.call("plan_up_layout") == [want], shm
         finally:
             llm.close()
+
+
+def test_a_rows_breakdown_is_the_median_of_its_repetitions():
+    """Every figure the median over repetitions (nested, lists element by element), the
+    layers' own compute of each repetition kept beside it."""
+
+    def run(compute, comm, ranks):
+        return {
+            "block_ms_per_step": {"communication": comm, "compute_and_overhead": compute},
+            "block_compute_ms_per_step": max(ranks),
+            "block_compute_ms_per_step_by_rank": ranks,
+            "elements_per_token_per_block": {"all_reduce": 2048.0},
+            "decode_steps": 15,
+        }
+
+    runs = [run(3.0, 9.0, [1.0, 2.0]), run(1.0, 7.0, [5.0, 1.5]), run(2.0, 8.0, [3.0, 4.0])]
+    out = median_breakdown(runs)
+    assert out["block_ms_per_step"] == {"communication": 8.0, "compute_and_overhead": 2.0}
+    assert out["block_compute_ms_per_step"] == 4.0
+    assert out["block_compute_ms_per_step_by_rank"] == [3.0, 2.0]
+    assert out["elements_per_token_per_block"] == {"all_reduce": 2048.0}
+    assert out["decode_steps"] == 15
+    assert out["block_compute_ms_per_rep"] == [2.0, 5.0, 4.0]
+    graphs = median_breakdown([{"block_compute_ms_per_step": None}])  # no eager layers
+    assert graphs["block_compute_ms_per_step"] is None

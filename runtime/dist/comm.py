@@ -63,9 +63,13 @@ class Comm:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             if self.world > 1:
-                # Wait for the slowest rank first, outside the timer: the time recorded
-                # is the transfer, and waiting for a peer counts as the work before it.
+                # Wait for the slowest rank first, outside the collective's timer: the
+                # time recorded is the transfer. The wait is recorded apart (a tagged
+                # kind, outside the block's collectives): a rank's own work is its time
+                # less both, and the slowest rank's own work is the critical path's.
+                waited = time.perf_counter()
                 dist.barrier(group=self.group)
+                self.stats.record("sync:barrier", 0, time.perf_counter() - waited)
             return time.perf_counter()
         return 0.0
 

@@ -3,6 +3,7 @@ final norm, vocab-parallel LM head with the logits gathered."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,19 @@ class TPModel(nn.Module):
         The layers' ``forward`` is called directly: they have no hooks, and a decode step
         reaches its first product two calls sooner per module (docs/ARCHITECTURE.md)."""
         x = self.embed_tokens(input_ids, positions)
+        if not self.comm.timed:
+            return self._layers(x, batch)
+        # A breakdown's per-block compute: the layers' time on this rank less what their
+        # collectives and the waits before them took (recorded in between).
+        waited, start = self.comm.stats.total_seconds(), time.perf_counter()
+        x = self._layers(x, batch)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        own = time.perf_counter() - start - (self.comm.stats.total_seconds() - waited)
+        self.comm.stats.record("step:blocks", 0, own)
+        return x
+
+    def _layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if not self.fuses_residual:
             for layer in self.layers:
                 x = layer.forward(x, batch)
