@@ -117,25 +117,27 @@ class TPModel(nn.Module):
         The layers' ``forward`` is called directly: they have no hooks, and a decode step
         reaches its first product two calls sooner per module (docs/ARCHITECTURE.md)."""
         x = self.embed_tokens(input_ids, positions)
-        if not self.comm.timed:
-            return self._layers(x, batch)
-        # A breakdown's per-block compute: the layers' time on this rank less what their
-        # collectives and the waits before them took (recorded in between).
-        waited, start = self.comm.stats.total_seconds(), time.perf_counter()
-        x = self._layers(x, batch)
+        # The loop stays in this function: a helper would put the first product one call
+        # further from the step (tests/test_graph_safety.py).
+        if self.comm.timed:
+            waited, start = self.comm.stats.total_seconds(), time.perf_counter()
+        if not self.fuses_residual:
+            for layer in self.layers:
+                x = layer.forward(x, batch)
+        else:
+            summands = None  # each layer's last product, as the next's first norm adds it
+            for layer in self.layers:
+                native = layer.decode_natively(x, summands, batch)
+                x, summands = native or layer.forward_fused(x, summands, batch)
+            x = eager.add_summands(x, summands)
+        if self.comm.timed:
+            self._record_own_time(x, start, waited)
+        return x
+
+    def _record_own_time(self, x: torch.Tensor, start: float, waited: float) -> None:
+        """A breakdown's per-block compute: the layers' time on this rank less what their
+        collectives and the waits before them took (recorded in between)."""
         if x.is_cuda:
             torch.cuda.synchronize()
         own = time.perf_counter() - start - (self.comm.stats.total_seconds() - waited)
         self.comm.stats.record("step:blocks", 0, own)
-        return x
-
-    def _layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if not self.fuses_residual:
-            for layer in self.layers:
-                x = layer.forward(x, batch)
-            return x
-        summands = None  # each layer's last product, as the next's first norm adds it
-        for layer in self.layers:
-            native = layer.decode_natively(x, summands, batch)
-            x, summands = native or layer.forward_fused(x, summands, batch)
-        return eager.add_summands(x, summands)
