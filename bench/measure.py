@@ -224,6 +224,14 @@ def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[s
     }
 
 
+def timed_breakdown(llm: LLM, spec: Any, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
+    """One breakdown run, the collectives timed for it alone (their barriers slow steps)."""
+    llm.workers.call("set_comm_stats", "timed")
+    out = breakdown_run(llm, cfg, vocab, spec.model.num_layers)
+    llm.workers.call("set_comm_stats", "off")
+    return out
+
+
 def median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One breakdown from a breakdown per repetition: each figure's median (lists
     element by element; counts, which every repetition shares, unchanged), with the

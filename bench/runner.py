@@ -25,12 +25,12 @@ from bench import peer
 from bench.baseline import hf_throughput, memory_bandwidth
 from bench.config import PRESETS, BenchConfig, preset
 from bench.measure import (
-    breakdown_run,
     lockstep_runs,
     median_breakdown,
     prompts_for,
     serving_run,
     throughput_run,
+    timed_breakdown,
 )
 from bench.rank_alone import RankAloneLLM
 from bench.ratios import add_ratios
@@ -96,11 +96,8 @@ def _fit_block(variants, engines, specs, cfg: BenchConfig, vocab: int) -> tuple:
     it runs — measured behind the fast link: what the planner fits its compute scale on."""
     linked = [v for v in variants if v.link and not v.external]
     v = next((v for v in linked if v.mode == "base"), linked[0])
-    engine, spec = engines[v.engine], specs[v.engine]
-    engine.workers.call("set_comm_stats", "timed")
-    block = breakdown_run(engine, cfg, vocab, spec.model.num_layers)["block_ms_per_step"]
-    engine.workers.call("set_comm_stats", "off")
-    return v.mode, engine, block["compute_and_overhead"]
+    block = timed_breakdown(engines[v.engine], specs[v.engine], cfg, vocab)["block_ms_per_step"]
+    return v.mode, engines[v.engine], block["compute_and_overhead"]
 
 
 def _switch_link(v: Variant, engine, rates: dict[str, str], links: dict[str, Any]) -> None:
@@ -277,10 +274,8 @@ class _Session:
         """The per-block breakdown, once per repetition (the row gives its medians)."""
         if v.external or v.alone or not self.cfg.breakdown:  # a rank alone has no collectives
             return
-        engine, spec = self.engines[v.engine], self.specs[v.engine]
-        engine.workers.call("set_comm_stats", "timed")
-        run["breakdown"] = breakdown_run(engine, self.cfg, self.vocab, spec.model.num_layers)
-        engine.workers.call("set_comm_stats", "off")
+        spec = self.specs[v.engine]
+        run["breakdown"] = timed_breakdown(self.engines[v.engine], spec, self.cfg, self.vocab)
 
     def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
         """One repetition: transformers' rows alone, then the engine rows of each batch
