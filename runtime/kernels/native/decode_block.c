@@ -152,12 +152,11 @@ static void attend_head(const float *q, const float *k_rows, const float *v_rows
     scores[j] = s * scale;
     top = scores[j] > top ? scores[j] : top;
   }
-  float total = 0;
+  float total = exp_shifted(scores, length, top);
   for (int64_t i = 0; i < d; i++) acc[i] = 0;
   for (int64_t j = 0; j < length; j++) {
     if (j + TOKENS_AHEAD < length) prefetch_row(v_rows + slots[j + TOKENS_AHEAD] * ld_slot, d);
-    float p = expf(scores[j] - top);
-    total += p;
+    float p = scores[j];
     const float *vj = v_rows + slots[j] * ld_slot;
     int64_t i = 0;
     for (; i + VEC <= d; i += VEC) store(acc + i, load(acc + i) + p * load(vj + i));
@@ -247,11 +246,20 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
   {
     add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
     project(gate_up_proj, xt, m, h, z, gate_up, 2 * inter);
+    /* silu(gate) . up, VEC columns at a time, then the last ones one at a time */
+    int64_t vectors = inter / VEC;
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < inter; j++) {
+    for (int64_t c = 0; c <= vectors; c++) {
       for (int64_t r = 0; r < m; r++) {
-        float g = gate_up[r * 2 * inter + j], u = gate_up[r * 2 * inter + inter + j];
-        hidden_t[j * m + r] = g / (1.0f + expf(-g)) * u;
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        if (c < vectors) {
+          int64_t j = c * VEC;
+          vec_t hidden = load(g + j) / (1.0f + vexp(-load(g + j))) * load(u + j);
+          for (int i = 0; i < VEC; i++) hidden_t[(j + i) * m + r] = hidden[i];
+          continue;
+        }
+        for (int64_t j = vectors * VEC; j < inter; j++)
+          hidden_t[j * m + r] = g[j] / (1.0f + exp1(-g[j])) * u[j];
       }
     }
     project(down_proj, hidden_t, m, inter, z, out, out_width(down_proj));
