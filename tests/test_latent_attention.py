@@ -68,7 +68,7 @@ def _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias)
     lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
     kv=st.integers(1, 3),
     group=st.integers(1, 3),
-    d=st.sampled_from([8, 16, 64]),
+    d=st.sampled_from([8, 12, 16, 64]),  # 12: past whole vectors
     r_k=st.integers(2, 130),
     r_v=st.integers(1, 70),
     style=st.sampled_from(["neox", "gptj"]),
@@ -101,8 +101,10 @@ def test_narrower_builds_attend_the_same(tmp_path: Path, monkeypatch, flags, wid
         ([9, 1, 4], 2, 16, 20, 8, 1),
         ([13], 3, 64, 116, 116, 1),
         ([3, 11], 2, 64, 128, 9, 1),  # every key column copied
+        ([6, 2], 1, 12, 10, 5, 1),  # head_dim past whole vectors
     ]:
-        _attention_matches(lengths, kv, 2, d, r_k, r_v, "neox", copy_ranks, True)
+        for group in (2, 3):  # whole and partial register tiles of a KV head's heads
+            _attention_matches(lengths, kv, group, d, r_k, r_v, "neox", copy_ranks, True)
 
 
 def test_the_native_attention_refuses_what_it_would_misread():

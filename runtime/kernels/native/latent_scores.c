@@ -32,6 +32,7 @@
 #define CHUNK 4 /* accumulator vectors per token: 16 of 32 registers */
 #define HEADS 3 /* query heads whose values are summed at once ... */
 #define SPAN 4  /* ... over SPAN vectors of columns: 12 + 4 registers */
+#define UNITS 3 /* query heads of a KV head times U_v at once: 12 + 4 registers */
 #elif defined(__AVX__)
 /* 6 tokens x 2 vectors: 12 of 16 registers, 2 for U_rest, 1 for a broadcast; each
  * U_rest vector loaded feeds 6 FMAs, and 80 rebuilt columns (cpu-135m at 40 %) are 5
@@ -44,11 +45,13 @@
 #define CHUNK 2
 #define HEADS 2 /* 8 + 4 of 16 registers */
 #define SPAN 4
+#define UNITS 2 /* 8 + 4 of 16 registers */
 #else /* 16 registers of 4 lanes: the tile as with AVX2 */
 #define TOK 6
 #define CHUNK 2
 #define HEADS 3 /* 9 + 3 of 16 registers */
 #define SPAN 3
+#define UNITS 3 /* 9 + 3 of 16 registers */
 #endif
 #define MAX_WIDTH 1024 /* key columns of one rank (kv_heads x head_dim) and padding */
 
@@ -303,6 +306,39 @@ int latent_values(const float *probs, const float *z, int64_t rows, int64_t ldz,
   return 0;
 }
 
+/* o[u][i0 .. + vecs * VEC) = bias + p[u] . u_v[:, i0 ..] for units u < units_here of
+ * one KV head (p's rows r_v apart, o's d apart; u_v [r_v][d] that head's): the
+ * accumulators of UNITS heads in registers, each U_v row's vectors loaded once for
+ * them (a loop per head read o and wrote it back at every FMA) */
+static inline __attribute__((always_inline)) void up_v(
+    const float *p, int64_t r_v, int units_here, const float *u_v, int64_t d, int64_t i0,
+    const float *bias, float *o, const int vecs) {
+  vec_t acc[UNITS][SPAN];
+#pragma GCC unroll 4
+  for (int u = 0; u < UNITS; u++)
+#pragma GCC unroll 4
+    for (int v = 0; v < vecs; v++) acc[u][v] = bias ? load(bias + i0 + v * VEC) : (vec_t){0};
+  for (int64_t c = 0; c < r_v; c++) {
+    vec_t w[SPAN];
+#pragma GCC unroll 4
+    for (int v = 0; v < vecs; v++) w[v] = load(u_v + c * d + i0 + v * VEC);
+#pragma GCC unroll 4
+    for (int u = 0; u < UNITS; u++) {
+      float pu = u < units_here ? p[u * r_v + c] : 0.0f;
+#pragma GCC unroll 4
+      for (int v = 0; v < vecs; v++) acc[u][v] += pu * w[v];
+    }
+  }
+  for (int u = 0; u < units_here; u++)
+#pragma GCC unroll 4
+    for (int v = 0; v < vecs; v++) store(o + u * d + i0 + v * VEC, acc[u][v]);
+}
+
+#define UP_CASE(n)                                                                   \
+  case n:                                                                            \
+    if (n <= SPAN) up_v(p, r_v, units_here, u_v + g * r_v * d, d, i0, bias, o, n); \
+    break;
+
 /* A latent layer's decode attention in one call (the torch form: eager_attention's
  * decode_latent, with the cache write before it). Row b's new latent (r_k + r_v floats
  * at new_rows + b * ld_new) is written to cache row new_slots[b]; each query head of q
@@ -355,14 +391,24 @@ int latent_attention(const float *q, int64_t heads, int64_t d, float scale,
   }
   latent_values(scores, z, rows, ldz, slots, batch, length, lengths, r_k, r_v, heads, mixed);
 #pragma omp parallel for schedule(static)
-  for (int64_t unit = 0; unit < units; unit++) {
-    int64_t g = unit % heads / group;
-    float *o = out + unit * d;
-    for (int64_t i = 0; i < d; i++) o[i] = bias_v ? bias_v[g * d + i] : 0.0f;
-    for (int64_t c = 0; c < r_v; c++) {
-      float p = mixed[unit * r_v + c];
-      const float *row = u_v + (g * r_v + c) * d;
-      for (int64_t i = 0; i < d; i++) o[i] += p * row[i];
+  for (int64_t job = 0; job < batch * kv_heads; job++) {
+    int64_t b = job / kv_heads, g = job % kv_heads, first = b * heads + g * group;
+    const float *bias = bias_v ? bias_v + g * d : NULL;
+    for (int64_t u0 = 0; u0 < group; u0 += UNITS) {
+      int units_here = group - u0 < UNITS ? (int)(group - u0) : UNITS;
+      const float *p = mixed + (first + u0) * r_v;
+      float *o = out + (first + u0) * d;
+      for (int64_t i0 = 0; i0 + VEC <= d; i0 += SPAN * VEC) {
+        int64_t left = (d - i0) / VEC;
+        int vecs = left < SPAN ? (int)left : SPAN;
+        switch (vecs) { UP_CASE(1) UP_CASE(2) UP_CASE(3) UP_CASE(4) }
+      }
+      for (int u = 0; u < units_here; u++) /* head_dim past whole vectors */
+        for (int64_t i = d / VEC * VEC; i < d; i++) {
+          float sum = bias ? bias[i] : 0.0f;
+          for (int64_t c = 0; c < r_v; c++) sum += p[u * r_v + c] * u_v[(g * r_v + c) * d + i];
+          o[u * d + i] = sum;
+        }
     }
   }
   free(queries);
