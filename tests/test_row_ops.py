@@ -7,7 +7,9 @@ order), RoPE 1e-6 (the same two products per element, fused differently); the re
 add exact (summed in the all-reduce's order, so every rank's bits are the same as the
 unfused ``x + all_reduce(y)``). Over hypothesis shapes (widths that end inside a vector,
 strided rows, one to three summands) and the source built for narrower vector units than
-this CPU's (AVX2's 8 lanes, the portable 4), so the code other machines run is tested."""
+this CPU's (AVX2's 8 lanes, the portable 4), so the code other machines run is tested.
+And the kernels' exp (``vexp``: their softmaxes and SiLU) against float64's, within 2 ulp
+over the range where float32's exp is normal, 0 below it."""
 
 from __future__ import annotations
 
@@ -94,6 +96,23 @@ def test_the_native_rotation_equals_torch_s(tokens, heads, half, style):
     _rope_matches(_library(), tokens, heads, 2 * half, style)
 
 
+def _exp_matches(lib: row_ops.RowOpsLibrary) -> None:
+    """Within 2 ulp from -87.3 (exp's normal range) to 88.37 (2^127 · e^(ln2/2)); 0 below
+    (float32 has only denormals there); exp(-inf) = 0, exp(nan) = nan. Lengths that end
+    inside a vector."""
+    x = torch.cat([torch.linspace(-87.3, 88.37, 100_003), torch.randn(1001) * 10])
+    got, want = lib.exp(x), torch.exp(x.double())
+    ulp = (want.float().nextafter(torch.tensor(float("inf"))) - want.float()).double()
+    worst = ((got.double() - want).abs() / ulp).max().item()
+    assert worst <= 2.0, f"exp off by {worst:.2f} ulp"
+    tails = lib.exp(torch.tensor([-88.0, -100.0, -1e30, float("-inf"), float("nan")]))
+    assert tails[:4].tolist() == [0.0] * 4 and tails[4].isnan()
+
+
+def test_the_kernels_exp_is_within_two_ulp():
+    _exp_matches(_library())
+
+
 @narrower_builds
 def test_narrower_builds_compute_the_same_rows(tmp_path: Path, flags, width):
     assert_x86_vectors()
@@ -104,6 +123,7 @@ def test_narrower_builds_compute_the_same_rows(tmp_path: Path, flags, width):
     for half in (width // 2, width, width + 3):
         _rope_matches(lib, 3, 2, 2 * half, "neox")
         _rope_matches(lib, 3, 2, 2 * half, "gptj")
+    _exp_matches(lib)
 
 
 def test_operands_the_kernels_do_not_take_get_none():

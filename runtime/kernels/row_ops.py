@@ -88,6 +88,17 @@ class RowOpsLibrary:
         return out
 
 
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        """exp of each element of x (fp32, CPU) as the decode kernels' softmaxes and SiLU
+        compute it (``vexp`` in ``native/vec.h``), as a new tensor."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"exp: need an fp32 CPU tensor, got {x.dtype} on {x.device}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.vector_exp(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+
 def _rows(x: torch.Tensor) -> bool:
     """x is an fp32 CPU matrix with unit-stride rows: what the row kernels read."""
     return x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
@@ -105,7 +116,9 @@ def _configured(lib: ctypes.CDLL) -> RowOpsLibrary:
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.rope.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.add_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.vector_exp.argtypes = [ptr, ptr, i64]
     lib.rms_norm.restype = lib.rope.restype = lib.add_rms_norm.restype = None
+    lib.vector_exp.restype = None
     return RowOpsLibrary(lib)
 
 

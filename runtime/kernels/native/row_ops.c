@@ -1,5 +1,6 @@
 /* A decode step's per-row element-wise work on the CPU, one pass each
- * (runtime/kernels/row_ops.py builds, loads and calls this file): RMSNorm and RoPE.
+ * (runtime/kernels/row_ops.py builds, loads and calls this file): RMSNorm and RoPE; and
+ * exp as the decode kernels' softmaxes and SiLU take it (vec.h's vexp), for its test.
  *
  * Why: in torch an RMSNorm is five ops (pow, mean, add, rsqrt, two products), each a
  * pass over the rows and a new tensor, and RoPE four (roll, two products, add). At a
@@ -50,4 +51,12 @@ void rope(const float *x, int64_t ld_token, int64_t ld_head, const float *cos,
     const float *xr = x + t * ld_token + h * ld_head, *c = cos + t * dim, *s = sin + t * dim;
     rope_vector(xr, c, s, out + row * dim, dim, half);
   }
+}
+
+/* out[i] = exp(x[i]) for i < n, VEC lanes at a time as the decode kernels compute it
+ * (vexp), then the last ones one at a time (exp1) */
+void vector_exp(const float *x, float *out, int64_t n) {
+  int64_t i = 0;
+  for (; i + VEC <= n; i += VEC) store(out + i, vexp(load(x + i)));
+  for (; i < n; i++) out[i] = exp1(x[i]);
 }
