@@ -87,7 +87,6 @@ class RowOpsLibrary:
         )  # fmt: skip
         return out
 
-
     def exp(self, x: torch.Tensor) -> torch.Tensor:
         """exp of each element of x (fp32, CPU) as the decode kernels' softmaxes and SiLU
         compute it (``vexp`` in ``native/vec.h``), as a new tensor."""
