@@ -55,8 +55,6 @@
 #endif
 #define MAX_WIDTH 1024 /* key columns of one rank (kv_heads x head_dim) and padding */
 
-typedef int32_t ivec_t __attribute__((vector_size(VEC * sizeof(int32_t))));
-
 int latent_width(void) { return VEC; }
 
 int latent_max_width(void) { return MAX_WIDTH; }
@@ -168,7 +166,7 @@ int latent_scores(const float *z, int64_t rows, int64_t ldz, const int64_t *slot
     }
     own[0] = count;
   }
-  ivec_t swap;
+  vec_int swap;
   for (int i = 0; i < VEC; i++) swap[i] = i ^ 1;
 #pragma omp parallel for schedule(static)
   for (int64_t job = 0; job < batch * tiles; job++) {
