@@ -44,9 +44,9 @@ static inline vec_t where(vec_int mask, vec_t a, vec_t b) {
 /* exp of each lane, within 1 ulp of libm's expf (Cephes' expf: x = n ln2 + r, |r| <=
  * ln2 / 2, a degree-6 polynomial in r, times 2^n built in the exponent bits); 0 below
  * -87.3 (libm: a denormal or 0), and exp(88.376) above 88.376 (libm: up to 3.4e38, then
- * inf): 2^n must fit the exponent. libm's expf,
- * one call per lane, was 5-7 % of a cpu-135m decode step (softmax and SiLU: ~0.9 M calls
- * per step at batch 8, context 256; AMD EPYC VM, perf). */
+ * inf): 2^n must fit the exponent. libm's expf, one call per lane, was 5-7 % of a
+ * cpu-135m decode step (softmax and SiLU: ~0.9 M calls per step at batch 8, context 256;
+ * AMD EPYC VM, perf). */
 static inline vec_t vexp(vec_t x) {
   const vec_t lo = splat(-87.3365447f), hi = splat(88.3762626f);
   vec_int below = x < lo;
@@ -82,7 +82,12 @@ static inline float exp_shifted(float *row, int64_t n, float top) {
   }
   float total = 0;
   for (int i = 0; i < VEC; i++) total += sum[i];
-  for (; j < n; j++) total += row[j] = exp1(row[j] - top); /* the last, one at a time */
+  if (j < n) { /* the last n - j < VEC, in one vector */
+    float lanes[VEC] = {0};
+    memcpy(lanes, row + j, sizeof(float) * (size_t)(n - j));
+    vec_t e = vexp(load(lanes) - top);
+    for (int64_t i = 0; i < n - j; i++) total += row[j + i] = e[i];
+  }
   return total;
 }
 
