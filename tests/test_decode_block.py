@@ -182,12 +182,17 @@ def test_attention_half_equals_torch(
     down_ranks=RANKS,
     cut=st.integers(0, 3),
     seed=st.integers(0, 10_000),
+    after=st.one_of(st.none(), st.tuples(st.integers(1, 30), st.none() | st.integers(1, 9))),
 )
-def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_ranks, cut, seed):
+def test_mlp_half_equals_torch(
+    m, hidden, inter, parts, gate_up_ranks, down_ranks, cut, seed, after
+):
     """``cut`` as in the attention half's test; the first summand a transposed view (as a
-    product computed as (W·aᵀ)ᵀ comes)."""
+    product computed as (W·aᵀ)ᵀ comes). ``after`` (heads' width, o's rank or None): the
+    heads' output times o added to x in the same call (a latent-cache layer's W_o)."""
     gen = torch.Generator().manual_seed(seed)
     cut = cut if gate_up_ranks is not None else 0
+    after = after if not cut else None
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
@@ -203,15 +208,19 @@ def test_mlp_half_equals_torch(m, hidden, inter, parts, gate_up_ranks, down_rank
             gen, hidden, [inter, inter], gate_up_ranks and gate_up_ranks[:2]
         )
         down_proj, w_down = _projection(gen, inter, [hidden], down_ranks and down_ranks[:1])
-    x_want = _residual(x, summands)
+    heads_o = None
+    if after is not None:
+        o_proj, w_o = _projection(gen, after[0], [hidden], after[1] and [after[1]])
+        heads_o = (rand(m, after[0]), o_proj)
+    x_want = _residual(x, summands + ([heads_o[0] @ w_o] if heads_o else []))
     gate, up = (_rms(x_want, norm_w, 1e-6) @ w_gate_up).split(inter, dim=1)
     out_want = (F.silu(gate) * up) @ w_down
     lib, source, norm = decode_block_library(), x, (norm_w, 1e-6)
     if cut:
         latent = lib.norm_project(x, summands, norm, gate_up_down)
         source, summands, norm = torch.cat([latent, rand(m, cut - 1)], dim=1), [], None
-    out = lib.mlp(source, summands, norm, gate_up_proj, inter, down_proj)
-    assert torch.equal(x, x_want)
+    out = lib.mlp(source, summands, norm, gate_up_proj, inter, down_proj, heads_o)
+    assert torch.equal(x, x_want) if heads_o is None else torch.allclose(x, x_want, **TOL)
     assert torch.allclose(out, out_want, **TOL)
 
 
@@ -222,6 +231,11 @@ def test_operands_it_would_misread_are_refused():
     down, _ = _projection(gen, 2, [8], None)
     with pytest.raises(ValueError, match="summand"):
         lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), gate_up, 2, down)
+    o, _ = _projection(gen, 5, [8], None)
+    with pytest.raises(ValueError, match="heads' output"):  # o's input is 5 wide
+        lib.mlp(x, [], (torch.ones(8), 1e-6), gate_up, 2, down, (torch.randn(2, 4), o))
+    with pytest.raises(ValueError, match="heads' output"):  # no norm: x is a latent
+        lib.mlp(x, [], None, gate_up, 2, down, (torch.randn(2, 5), o))
     with pytest.raises(ValueError, match="contiguous fp32"):
         lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), gate_up, 2, down)
 
@@ -269,14 +283,23 @@ def test_cached_attention_writes_and_attends_as_torch(m, kv_heads, group, half_d
     kv_ranks=st.lists(st.integers(1, 21), min_size=2, max_size=2),
     parts=st.integers(0, 3),
     seed=st.integers(0, 10_000),
+    rope=st.sampled_from([None, (2, "neox"), (4, "gptj"), (6, "neox"), (10, "gptj")]),
 )
 def test_a_latent_cache_layers_projections_equal_torch(
-    m, hidden, q_width, q_rank, kv_ranks, parts, seed
+    m, hidden, q_width, q_rank, kv_ranks, parts, seed, rope
 ):
     """A latent-cache layer's q and k|v latent from one norm (``q_and_latent``): q's
     matrix beside the k and v down factors, or (q_rank not None) q's latent first among
-    the group's down factors and its up factor from it."""
+    the group's down factors and its up factor from it; ``rope`` (head_dim, style): q's
+    heads then rotated in the same call, against ``eager.torch_rotate``."""
     gen = torch.Generator().manual_seed(seed)
+    tables = None
+    if rope is not None:
+        d, style = rope
+        q_width = -(-q_width // d) * d  # whole heads
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+        cos, sin = eager.rope_tables(torch.randint(0, 500, (m,), generator=gen), inv_freq, style)
+        tables = (cos[:, None, :], sin[:, None, :], d, d // 2 if style == "neox" else 0)
     x, norm_w = torch.randn(m, hidden, generator=gen), torch.rand(hidden, generator=gen) + 0.5
     summands = [torch.randn(m, hidden, generator=gen) for _ in range(parts)]
     x_want = _residual(x, summands)
@@ -286,14 +309,17 @@ def test_a_latent_cache_layers_projections_equal_torch(
         q_proj, q_ref = _projection(gen, hidden, [q_width], None)
         kv = torch.randn(hidden, sum(kv_ranks), generator=gen) / hidden**0.5
         kv_proj = Projection(_panels(kv), kv.shape[1])
-        q, latent = lib.q_and_latent(x, summands, norm, q_proj, kv_proj)
+        q, latent = lib.q_and_latent(x, summands, norm, q_proj, kv_proj, tables)
         q_want, latent_want = normed @ q_ref, normed @ kv
     else:
         cat = torch.randn(hidden, q_rank + sum(kv_ranks), generator=gen) / hidden**0.5
         u_q = torch.randn(q_rank, q_width, generator=gen) / q_rank**0.5
         proj = Projection(_panels(cat), cat.shape[1], ((_panels(u_q), q_rank, q_width),))
-        q, latent = lib.q_and_latent(x, summands, norm, None, proj)
+        q, latent = lib.q_and_latent(x, summands, norm, None, proj, tables)
         latent_want = normed @ cat
         q_want = latent_want[:, :q_rank] @ u_q
+    if rope is not None:
+        heads = q_want.view(m, -1, d)
+        q_want = eager.torch_rotate(heads, cos[:, None, :], sin[:, None, :], style).view(m, -1)
     assert torch.equal(x, x_want)
     assert torch.allclose(q, q_want, **TOL) and torch.allclose(latent, latent_want, **TOL)

@@ -127,21 +127,31 @@ class DecodeBlockLibrary:
         norm: tuple[torch.Tensor, float],
         q: Projection | None,
         kv: Projection,
+        rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``decode_q_and_latent``: x [m, h] += parts (in place); (q [m, ·], the latent
         [m, kv's down columns]) from the normed x: ``q`` (dense) beside ``kv`` (dense: k's
         and v's down factors); or, ``q`` None, ``kv`` low-rank with q's latent first and
-        q's up factor its one member."""
+        q's up factor its one member. ``rope``: (cos, sin [m, d] or [m, 1, d], contiguous,
+        head_dim d, half as in ``attention``): q's heads rotated in the same call."""
         low_rank = q is None
         if bool(kv.ups) != low_rank or kv.down is None or kv.in_width != x.shape[-1]:
             raise ValueError(f"decode block: q and a k|v latent from x {tuple(x.shape)}")
         if not low_rank and (q.ups or q.in_width != x.shape[-1]):
             raise ValueError(f"decode block: a dense q from x {tuple(x.shape)}")
-        latent = torch.empty(x.shape[0], kv.columns)
         width = kv.out_width if low_rank else q.out_width
+        cos, sin, d, half = rope if rope is not None else (None, None, 1, 0)
+        if rope is not None:
+            m = x.shape[0]
+            tables = cos.numel() == sin.numel() == m * d and cos.is_contiguous()
+            if not (tables and sin.is_contiguous() and width % d == 0):
+                raise ValueError(f"decode block: RoPE tables {tuple(cos.shape)} for q of {width}")
+        latent = torch.empty(x.shape[0], kv.columns)
         out = self._half(
             "decode_q_and_latent", x, parts, norm, width,
-            None if low_rank else q.address, kv.address, latent.data_ptr(),
+            None if low_rank else q.address, kv.address,
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            d, half, latent.data_ptr(),
         )  # fmt: skip
         return out, latent
 
@@ -193,13 +203,25 @@ class DecodeBlockLibrary:
         gate_up: Projection,
         inter: int,
         down: Projection,
+        after: tuple[torch.Tensor, Projection] | None = None,
     ) -> torch.Tensor:
         """The MLP half (``decode_mlp``): x += parts (in place), and W_down's product of
         silu(gate) · up [m, down's columns]; ``inter``: this rank's MLP columns; ``norm``
-        None as in ``attention``."""
+        None as in ``attention``. ``after`` = (the heads' output [m, k], o): x += that
+        times o first, in the same call (a latent-cache layer's attention output; not
+        with ``norm`` None)."""
+        heads_out, k, o = None, 0, None
+        if after is not None:
+            heads, projection = after
+            m, h = x.shape
+            fits = heads.shape == (m, projection.in_width) and projection.out_width == h
+            if not (fits and heads.dtype == torch.float32 and heads.is_contiguous() and norm):
+                raise ValueError(f"decode block: heads' output {tuple(heads.shape)} for x {m, h}")
+            heads_out, k, o = heads.data_ptr(), heads.shape[1], projection.address
         return self._half(
-            "decode_mlp", x, parts, norm, down.out_width, gate_up.address, inter, down.address
-        )
+            "decode_mlp", x, parts, norm, down.out_width,
+            heads_out, k, o, gate_up.address, inter, down.address,
+        )  # fmt: skip
 
     def _half(
         self,
@@ -272,9 +294,9 @@ def build_library(
 _HALF = "piipp" + "ipf"
 _SIGNATURES = {
     "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
-    "decode_mlp": _HALF + "pipp",
+    "decode_mlp": _HALF + "pip" + "pipp",
     "decode_norm_project": _HALF + "pp",
-    "decode_q_and_latent": _HALF + "pppp",
+    "decode_q_and_latent": _HALF + "pppp" + "iipp",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
 }
 _TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}

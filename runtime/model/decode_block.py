@@ -19,9 +19,10 @@ all-gather its latent, and the rest of the half runs from that latent (its up fa
 A column group whose down factors every rank holds whole is one call, as on one rank.
 
 A layer over a latent cache runs the MLP half alone (``MlpHalf``) after its attention:
-on one rank its projections in two native calls (``LatentAttentionHalf``) around one
-native latent attention (``runtime.model.eager_attention``), else op by op; then one
-call adds the attention's output to x and computes the MLP.
+on one rank q (rotated) and the k|v latent in one native call (``LatentAttentionHalf``),
+then one native latent attention (``runtime.model.eager_attention``), and the heads'
+output times W_o in the MLP half's call, which adds it to x; else the attention op by
+op, its output added by the MLP half's call.
 """
 
 from __future__ import annotations
@@ -208,22 +209,34 @@ class MlpHalf:
         norm = weights["post_norm.weight"].contiguous()
         return MlpHalf(decode_block_library(), model.norm.eps, norm, gate_up, inter, down)
 
-    def mlp(self, x: torch.Tensor, summands: list[torch.Tensor], gather: Gather) -> torch.Tensor:
-        """x += summands (in place); the MLP half's output [m, down's columns] (unreduced)."""
+    def mlp(
+        self,
+        x: torch.Tensor,
+        summands: list[torch.Tensor],
+        gather: Gather,
+        after: tuple[torch.Tensor, Projection] | None = None,
+    ) -> torch.Tensor:
+        """x += summands (in place); the MLP half's output [m, down's columns] (unreduced).
+        ``after`` = (the heads' output, o): x += its product with o too, in the same call
+        where the half is one call (else through a call of its own)."""
+        if after is not None and self.gate_up.ups is not None:
+            heads, o = after
+            summands, after = [*summands, self.library.norm_project(heads, [], None, o)], None
         source, parts, norm, up = _input(
             self.library, x, summands, (self.post_norm, self.eps), self.gate_up, gather
         )
-        return self.library.mlp(source, parts, norm, up, self.inter, self.down)
+        return self.library.mlp(source, parts, norm, up, self.inter, self.down, after)
 
 
 @dataclass(frozen=True)
 class LatentAttentionHalf:
-    """A latent-cache layer's attention projections on one rank, in two native calls
-    around its latent attention (``runtime.model.eager_attention.decode_latent_native``):
-    x += summands, RMSNorm, then q beside the k|v latent (the cache's columns ``kv`` of
-    it) — q's matrix and the group's down factors (``q`` and ``qkv``), or, where q's
+    """A latent-cache layer's attention projections on one rank, around its latent
+    attention (``runtime.model.eager_attention.decode_latent_native``): in one native
+    call x += summands, RMSNorm, then q beside the k|v latent (the cache's columns ``kv``
+    of it) — q's matrix and the group's down factors (``q`` and ``qkv``), or, where q's
     latent comes first in the group's, the down factors side by side then q's up factor
-    (``qkv``, ``q`` None); then the heads' output times W_o (dense, or its factors)."""
+    (``qkv``, ``q`` None) — and q rotated; then the heads' output times W_o (``o``: dense,
+    or its factors), which ``MlpHalf.mlp`` multiplies in its call (``after``)."""
 
     library: DecodeBlockLibrary
     eps: float
@@ -232,6 +245,7 @@ class LatentAttentionHalf:
     qkv: Projection
     kv: tuple[int, int]  # the latent's k|v columns: (first, count)
     o: Projection
+    rope: tuple[int, int]  # (head_dim, half): RoPE pairs as ``DecodeBlock.half``
 
     @staticmethod
     def of(
@@ -261,19 +275,24 @@ class LatentAttentionHalf:
         else:
             q, qkv = None, Projection(cat.copy, cat.shape[1], ((q_up.copy, *q_up.shape),))
         norm = weights["input_norm.weight"].contiguous()
-        library = decode_block_library()
-        return LatentAttentionHalf(library, model.norm.eps, norm, q, qkv, kv, o)
+        library, d = decode_block_library(), model.head_dim
+        rope = (d, d // 2 if model.positions.style == "neox" else 0)
+        return LatentAttentionHalf(library, model.norm.eps, norm, q, qkv, kv, o, rope)
 
-    def project(self, x: torch.Tensor, summands: list[torch.Tensor]) -> tuple:
-        """x += summands (in place); (q [m, heads · d] before RoPE, the k|v latent [m, ·])."""
-        norm = (self.input_norm, self.eps)
-        q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv)
+    def project(
+        self,
+        x: torch.Tensor,
+        summands: list[torch.Tensor],
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple:
+        """x += summands (in place); (q [m, heads · d], the k|v latent [m, ·]); q rotated
+        by ``rope_tables`` (cos, sin [m, 1, d]) in the same native call, or (None) not."""
+        norm, rope = (self.input_norm, self.eps), None
+        if rope_tables is not None:
+            rope = (*rope_tables, *self.rope)
+        q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv, rope)
         first, count = self.kv
         return q, latent[:, first : first + count]
-
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        """The heads' output [m, heads · d] times W_o [m, h]."""
-        return self.library.norm_project(attended, [], None, self.o)
 
 
 @dataclass(frozen=True)

@@ -133,12 +133,21 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """``forward_fused`` through the native decode block, where the layer has one and
-        the batch is a decode step that offers this layer's dense cache, or through the
-        MLP half after the attention op by op (a latent cache); else None."""
+        the batch is a decode step that offers this layer's dense cache, or (a latent
+        cache) through the MLP half after the attention: ``latent_heads`` (W_o then in the
+        MLP half's call), or op by op; else None."""
         gather = self.s.comm.all_gather_columns
         if self.mlp_half is not None and batch.decode:
-            attended = self.latent_decode_attention(x, summands or [], batch)
-            down = self.mlp_half.mlp(x, [attended], gather)  # adds the attention to x
+            if self.latent_half is not None:
+                heads = self.latent_heads(x, summands or [], batch)
+                # o's product runs in the MLP half's call; its output has x's shape (what
+                # a rank alone counts as the collective it skipped)
+                self.row_summands("o", x, batch)
+                down = self.mlp_half.mlp(x, [], gather, (heads, self.latent_half.o))
+            else:  # the attention op by op
+                if summands:
+                    eager.add_summands(x, summands)
+                down = self.mlp_half.mlp(x, [self.attention_block(x, batch)], gather)
             return x, self.row_summands("down", down, batch)
         if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
             return None
@@ -150,23 +159,19 @@ class DecoderLayer(nn.Module):
         down = block.mlp(x, self.row_summands("o", o, batch), gather)
         return x, self.row_summands("down", down, batch)
 
-    def latent_decode_attention(
+    def latent_heads(
         self, x: torch.Tensor, summands: list[torch.Tensor], batch: Batch
     ) -> torch.Tensor:
-        """x += summands (in place); a latent-cache layer's attention output, reduced:
-        through ``latent_half`` (its projections in two native calls, q rotated, the
-        cache's native latent attention), or op by op."""
-        half = self.latent_half
-        if half is None:
-            if summands:
-                eager.add_summands(x, summands)
-            return self.attention_block(x, batch)
+        """x += summands (in place); a latent-cache layer's attention heads' output [m,
+        heads · d] before W_o, through ``latent_half``: its projections in one native call
+        that rotates q too, then the cache's native latent attention."""
         rows, d = x.shape[0], self.s.model.head_dim
-        q, latent = half.project(x, summands)
-        q = self.s.execution.rope(q.view(rows, -1, d), batch, self.s.inv_freq)
-        attended = batch.attention(self.index, q, None, None, latent).reshape(rows, -1)
-        (out,) = self.row_summands("o", half.output(attended), batch)
-        return out
+        tables = batch.rope_tables  # the dynamic path's: q rotated in the projections' call
+        q, latent = self.latent_half.project(x, summands, tables)
+        q = q.view(rows, -1, d)
+        if tables is None:
+            q = self.s.execution.rope(q, batch, self.s.inv_freq)
+        return batch.attention(self.index, q, None, None, latent).reshape(rows, -1)
 
     def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """What the next norm adds for the native block's row projection ``name``'s

@@ -227,24 +227,43 @@ int decode_attention(float *x, int64_t m, int64_t h, const float *const *parts,
   return failed ? -1 : 0;
 }
 
-/* The MLP half: x [m][h] += parts; RMSNorm . norm_w; gate|up = one product by
- * gate_up_proj (columns: inter of gate, then inter of up); silu(gate) . up; out [m][down
- * columns] = that times W_down (down_proj). norm_w NULL: x is gate|up's gathered latent,
- * as in decode_attention. Returns 0, or -1 without scratch memory. */
+/* The MLP half: x [m][h] += parts (and, heads_out not NULL, += heads_out [m][k] times
+ * o_proj: a latent-cache layer's attention output projected here rather than in a call
+ * of its own); RMSNorm . norm_w; gate|up = one product by gate_up_proj (columns: inter
+ * of gate, then inter of up); silu(gate) . up; out [m][down columns] = that times W_down
+ * (down_proj). norm_w NULL: x is gate|up's gathered latent, as in decode_attention (no
+ * heads_out). Returns 0, or -1 without scratch memory. */
 int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
                const int64_t *ld_parts, int64_t nparts, const float *norm_w, float eps,
+               const float *heads_out, int64_t k, const projection_t *o_proj,
                const projection_t *gate_up_proj, int64_t inter, const projection_t *down_proj,
                float *out) {
   int64_t latent = latent_floats(gate_up_proj, m) > latent_floats(down_proj, m)
                        ? latent_floats(gate_up_proj, m)
                        : latent_floats(down_proj, m);
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m + latent));
-  if (!xt) return -1;
+  int64_t extra = heads_out ? k * m + m * h + latent_floats(o_proj, m) : 0;
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m + latent + extra));
+  const float **all = malloc(sizeof(float *) * (size_t)(nparts + 1));
+  int64_t *ld_all = malloc(sizeof(int64_t) * (size_t)(nparts + 1));
+  if (!xt || !all || !ld_all) {
+    free(xt), free(all), free(ld_all);
+    return -1;
+  }
   float *normed = xt + h * m, *gate_up = normed + h * m, *hidden_t = gate_up + m * 2 * inter;
-  float *z = hidden_t + inter * m;
+  float *z = hidden_t + inter * m, *heads_t = z + latent, *projected = heads_t + k * m;
+  float *z_o = projected + m * h;
+  for (int64_t i = 0; i < nparts; i++) all[i] = parts[i], ld_all[i] = ld_parts[i];
+  int64_t n_all = nparts;
+  if (heads_out) all[n_all] = projected, ld_all[n_all++] = h;
 #pragma omp parallel
   {
-    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+    if (heads_out) {
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < k; j++)
+        for (int64_t r = 0; r < m; r++) heads_t[j * m + r] = heads_out[r * k + j];
+      project(o_proj, heads_t, m, k, z_o, projected, h);
+    }
+    add_norm_transposed(x, m, h, all, ld_all, n_all, norm_w, eps, normed, xt);
     project(gate_up_proj, xt, m, h, z, gate_up, 2 * inter);
     /* silu(gate) . up, VEC columns at a time, then the last ones one at a time */
     int64_t vectors = inter / VEC;
@@ -264,7 +283,7 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
     }
     project(down_proj, hidden_t, m, inter, z, out, out_width(down_proj));
   }
-  free(xt);
+  free(xt), free(all), free(ld_all);
   return 0;
 }
 
@@ -305,17 +324,32 @@ int decode_norm_project(float *x, int64_t m, int64_t h, const float *const *part
  * latent [m][kv_proj's down columns], both from RMSNorm(x) . norm_w. q_proj (q's merged
  * matrix) times it -> out, and kv_proj (k's and v's down factors side by side, dense)
  * -> latent; or, q_proj NULL, kv_proj is the group's down factors with q's latent first
- * and q's up factor as its one member: its latent -> latent, q -> out. Returns 0, or -1
- * without scratch memory. */
+ * and q's up factor as its one member: its latent -> latent, q -> out. Then each head of
+ * q (d columns) rotated by its row's tables cos, sin [m][d] (sin signed, half as in
+ * rope_vector; cos NULL: q as projected), in this call rather than as a call of its own
+ * with its Python around it. Returns 0, or -1 without scratch memory. */
 int decode_q_and_latent(float *x, int64_t m, int64_t h, const float *const *parts,
                         const int64_t *ld_parts, int64_t nparts, const float *norm_w,
                         float eps, const projection_t *q_proj, const projection_t *kv_proj,
+                        const float *cos, const float *sin, int64_t d, int64_t half,
                         float *latent, float *out) {
-  if (!q_proj)
-    return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, kv_proj, out, NULL,
-                            NULL, latent);
-  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, q_proj, out, kv_proj,
-                          latent, NULL);
+  int failed =
+      q_proj ? norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, q_proj, out,
+                                kv_proj, latent, NULL)
+             : norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, kv_proj, out,
+                                NULL, NULL, latent);
+  if (failed || !cos) return failed;
+  int64_t width = out_width(q_proj ? q_proj : kv_proj), heads = width / d;
+  float *turned = malloc(sizeof(float) * (size_t)d);
+  if (!turned) return -1;
+  for (int64_t r = 0; r < m; r++) /* m x heads vectors of d: a few thousand floats */
+    for (int64_t head = 0; head < heads; head++) {
+      float *q = out + r * width + head * d;
+      rope_vector(q, cos + r * d, sin + r * d, turned, d, half);
+      memcpy(q, turned, sizeof(float) * (size_t)d);
+    }
+  free(turned);
+  return 0;
 }
 
 /* A decode step's attention over a dense cache alone, for layers that make their own
