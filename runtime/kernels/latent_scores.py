@@ -20,19 +20,21 @@ SOURCE = native_build.NATIVE / "latent_scores.c"
 
 
 @dataclass(frozen=True)
-class LatentKeys:
-    """How a layer's keys come from its latents, as ``latent_attention`` takes them: z_k's
-    columns ``copied`` (first, count), then row[:r_k] · u_rest [r_k, upad]; the tables
-    cos, sin [≥ L, wpad] of the step (``KeyAngles.tables``); each key column's dim and KV
-    head (int64 [width])."""
+class LatentLayer:
+    """A layer's operands of ``latent_attention`` that stay from step to step, laid out
+    and checked once (``LatentScoresLibrary.layer``): the keys are z_k's columns
+    ``copied`` (first, count), then row[:r_k] · u_rest [r_k, upad]; each key column's dim
+    and KV head (int64 [width]); U_v per KV head [kv_heads, r_v, d] and its bias
+    [kv_heads · d] or None; ``wpad``: the key columns padded (the RoPE tables' width)."""
 
     r_k: int
     copied: tuple[int, int]
     u_rest: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
     dims: torch.Tensor
     heads: torch.Tensor
+    u_v: torch.Tensor
+    bias_v: torch.Tensor | None
+    wpad: int
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,38 @@ class LatentScoresLibrary:
         _check("latent values", {"slots within the cache's rows": not failed})
         return out
 
+    def layer(
+        self,
+        r_k: int,
+        copied: tuple[int, int],
+        u_rest: torch.Tensor,
+        dims: torch.Tensor,
+        heads: torch.Tensor,
+        u_v: torch.Tensor,
+        bias_v: torch.Tensor | None,
+    ) -> LatentLayer:
+        """A layer's ``LatentLayer``, checked: what ``attention`` would otherwise check at
+        every call of every layer (a latent step's Python between its native calls was
+        ~6 ms more than a dense-KV step's; cpu-135m, 30 layers)."""
+        (first, copies), width = copied, dims.numel()
+        wpad = self.padded(width)
+        checks = {
+            "fp32 operands": u_rest.dtype == u_v.dtype == torch.float32
+            and (bias_v is None or bias_v.dtype == torch.float32),
+            "even copies within z_k": copies % 2 == 0 and first + copies <= r_k,
+            "u_rest [r_k, padded]": u_rest.shape[0] == r_k and u_rest.shape[1] % self.width == 0,
+            f"at most {self.max_width} columns": copies + u_rest.shape[1] <= self.max_width,
+            "int64 key dims and heads [width]": dims.dtype == heads.dtype == torch.int64
+            and heads.numel() == width >= copies,
+            "U_v [kv_heads, r_v, d]": u_v.dim() == 3,
+            "bias_v [kv_heads · d]": bias_v is None
+            or (u_v.dim() == 3 and bias_v.numel() == u_v.shape[0] * u_v.shape[2]),
+        }
+        _check("latent attention", checks)
+        tensors = (u_rest, dims, heads, u_v) + (() if bias_v is None else (bias_v,))
+        u_rest, dims, heads, u_v, *bias = (t.contiguous() for t in tensors)
+        return LatentLayer(r_k, copied, u_rest, dims, heads, u_v, bias[0] if bias else None, wpad)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -130,53 +164,92 @@ class LatentScoresLibrary:
         rows: torch.Tensor,
         slots: torch.Tensor,
         lengths: torch.Tensor,
-        keys: LatentKeys,
-        values: tuple[torch.Tensor, torch.Tensor | None],
+        layer: LatentLayer,
+        tables: tuple[torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor:
         """A latent layer's decode attention in one call: rows ``new`` = (latents [B, r_k +
         r_v], slots [B]) written to the cache ``rows`` first; then queries q [B, H, d]
-        (RoPE applied) laid out as ``keys`` says, scaled, scored as ``scores`` scores,
-        softmax, · z_v as ``values``, times each KV head's U_v: ``values`` = (U_v
-        [kv_heads, r_v, d], bias [kv_heads · d] or None) -> [B, H, d]."""
-        (latents, new_slots), (u_v, bias_v) = new, values
-        (batch, length), (heads, d), r_k = slots.shape, q.shape[1:], keys.r_k
-        kv_heads, r_v = u_v.shape[0], u_v.shape[1]
-        wpad, width, (first, copies) = keys.cos.shape[1], keys.dims.numel(), keys.copied
-        operands = (q, latents, rows, u_v, keys.u_rest, keys.cos, keys.sin)
-        checks = {
-            "fp32 operands": all(t.dtype == torch.float32 for t in operands)
-            and (bias_v is None or bias_v.dtype == torch.float32),
-            "q [B, H, d] with whole KV head groups": q.shape[0] == batch and heads % kv_heads == 0,
-            "row-contiguous new latents [B, r_k + r_v]": latents.shape == (batch, r_k + r_v)
-            and latents.stride(1) == 1,
-            "cache rows of r_k + r_v": rows.shape[-1] == r_k + r_v,
-            "U_v [kv_heads, r_v, d]": u_v.shape[2] == d,
-            "int64 new slots [B]": new_slots.dtype == torch.int64 and new_slots.shape == (batch,),
-            "int64 key dims and heads [width ≤ wpad]": keys.dims.dtype == torch.int64
-            and keys.heads.dtype == torch.int64
-            and keys.heads.numel() == width <= wpad,
-            "bias_v [kv_heads · d]": bias_v is None or bias_v.numel() == kv_heads * d,
-        }
-        checks |= self._key_checks(r_k, keys.copied, keys.u_rest, keys.cos, rows, length, wpad)
-        _check("latent attention", checks | _row_checks(rows, slots, lengths, r_k))
-        tensors = (q, u_v, keys.u_rest, keys.cos, keys.sin, slots, new_slots)
-        q, u_v, u_rest, cos, sin, slots, new_slots = (t.contiguous() for t in tensors)
-        bias = None if bias_v is None else bias_v.contiguous()
-        lengths = lengths.to(torch.int64).contiguous()
+        (RoPE applied) laid out as ``layer``'s keys, scaled, scored as ``scores`` scores
+        (``tables`` = cos, sin [≥ L, wpad], ``KeyAngles.tables``), softmax, · z_v as
+        ``values``, times each KV head's U_v -> [B, H, d]. Checked here: what changes
+        between calls (one boolean; the message only on failure)."""
+        (latents, new_slots), (cos, sin) = new, tables
+        (batch, length), heads, d = slots.shape, q.shape[-2], q.shape[-1]
+        kv_heads, r_v, (first, copies) = layer.u_v.shape[0], layer.u_v.shape[1], layer.copied
+        columns = layer.r_k + r_v
+        fits = (
+            q.dtype == latents.dtype == rows.dtype == cos.dtype == sin.dtype == torch.float32
+            and q.dim() == 3
+            and q.is_contiguous()
+            and q.shape[0] == batch
+            and heads % kv_heads == 0
+            and d == layer.u_v.shape[2]
+            and latents.shape == (batch, columns)
+            and latents.stride(1) == 1
+            and rows.dim() == 2
+            and rows.shape[1] == columns
+            and rows.stride(1) == 1
+            and rows.is_cpu
+            and new_slots.dtype == slots.dtype == lengths.dtype == torch.int64
+            and new_slots.shape == (batch,) == lengths.shape
+            and new_slots.is_contiguous()
+            and slots.is_contiguous()
+            and lengths.is_contiguous()
+            and cos.shape == sin.shape
+            and cos.shape[0] >= length
+            and cos.shape[1] == layer.wpad
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        )
+        if not fits:
+            _check("latent attention", _call_checks(q, new, rows, slots, lengths, layer, tables))
+            raise ValueError("latent attention: operands it does not take")
         out = torch.empty(batch, heads, d, dtype=torch.float32)
+        bias = layer.bias_v
         failed = self.lib.latent_attention(
-            q.data_ptr(), heads, d, scale, keys.dims.data_ptr(), keys.heads.data_ptr(), width,
-            rows.data_ptr(), rows.shape[0], rows.stride(0), latents.data_ptr(),
-            latents.stride(0), new_slots.data_ptr(), slots.data_ptr(), batch, length,
-            lengths.data_ptr(), r_k, r_v, first, copies, u_rest.data_ptr(), u_rest.shape[1],
-            cos.data_ptr(), sin.data_ptr(), wpad, kv_heads, u_v.data_ptr(),
+            q.data_ptr(), heads, d, scale, layer.dims.data_ptr(), layer.heads.data_ptr(),
+            layer.dims.numel(), rows.data_ptr(), rows.shape[0], rows.stride(0),
+            latents.data_ptr(), latents.stride(0), new_slots.data_ptr(), slots.data_ptr(),
+            batch, length, lengths.data_ptr(), layer.r_k, r_v, first, copies,
+            layer.u_rest.data_ptr(), layer.u_rest.shape[1], cos.data_ptr(), sin.data_ptr(),
+            layer.wpad, kv_heads, layer.u_v.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if failed == -2:
             raise MemoryError("latent attention: no scratch memory")
         _check("latent attention", {"slots within the cache's rows": not failed})
         return out
+
+
+def _call_checks(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> dict[str, bool]:
+    """``attention``'s checks by name, for its message."""
+    (latents, new_slots), (cos, sin) = new, tables
+    (batch, length), u_v = slots.shape, layer.u_v
+    fp32 = (q, latents, rows, cos, sin)
+    index = (new_slots, slots, lengths)
+    return {
+        "fp32 operands": all(t.dtype == torch.float32 for t in fp32),
+        "contiguous q [B, H, d] with whole KV head groups": q.is_contiguous()
+        and q.dim() == 3
+        and q.shape[0] == batch
+        and q.shape[1] % u_v.shape[0] == 0
+        and q.shape[2] == u_v.shape[2],
+        "row-contiguous new latents [B, r_k + r_v]": latents.shape
+        == (batch, layer.r_k + u_v.shape[1])
+        and latents.stride(1) == 1,
+        "cache rows of r_k + r_v": rows.dim() == 2 and rows.shape[-1] == layer.r_k + u_v.shape[1],
+        "row-contiguous cache rows on the CPU": rows.stride(-1) == 1 and rows.is_cpu,
+        "contiguous int64 slots [B, L], new slots and lengths [B]": all(
+            t.dtype == torch.int64 and t.is_contiguous() for t in index
+        )
+        and new_slots.shape == (batch,) == lengths.shape,
+        "contiguous tables [≥ L, wpad]": cos.shape == sin.shape
+        and cos.shape[0] >= length
+        and cos.shape[1] == layer.wpad
+        and cos.is_contiguous()
+        and sin.is_contiguous(),
+    }
 
 
 def _row_checks(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, r_k: int):

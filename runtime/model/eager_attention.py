@@ -175,7 +175,9 @@ class LatentFactors:
         if self.angles_broadcast:
             angles = KeyAngles(self.inv_freq, self.angle_index)
         plain = self.bias_k is None and self.k_norm is None
-        return native_key_scores(self.u_k_rest, (self.copy_from, self.copies), angles, plain)
+        columns, values = (self.key_dims, self.key_heads), (self.u_v_heads, self.bias_v)
+        copied = (self.copy_from, self.copies)
+        return native_key_scores(self.u_k_rest, copied, angles, plain, columns, values)
 
     def keys(self, zk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """zk [..., L, r_k] -> post-RoPE keys [..., L, kv_heads, head_dim]."""
@@ -307,13 +309,12 @@ def decode_latent_native(
     native, rows = f.native_scores, cache.latent_rows
     if native is None or latent is None or not all(_fp32_cpu(t) for t in (q, rows, latent)):
         return None
-    new, tokens = (latent, new_slots), (ctx.slots, ctx.lengths)
-    columns, values = (f.key_dims, f.key_heads), (f.u_v_heads, f.bias_v)
-    return native.attention(q, new, rows, tokens, columns, values, scale)
+    tokens = (ctx.slots, ctx.lengths)
+    return native.attention(q.contiguous(), (latent, new_slots), rows, tokens, scale)
 
 
 def _fp32_cpu(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu"
+    return t.dtype == torch.float32 and t.is_cpu
 
 
 def latent_mix(

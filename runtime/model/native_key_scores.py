@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.latent_scores import LatentKeys, LatentScoresLibrary, latent_scores_library
+from runtime.kernels.latent_scores import LatentLayer, LatentScoresLibrary, latent_scores_library
 from runtime.model.key_angles import KeyAngles
 
 
@@ -21,6 +21,7 @@ class NativeKeyScores:
     u_rest: torch.Tensor  # [r_k, upad]: the other key columns' U_k, zero past them
     width: int  # key columns in all (copied and rebuilt)
     angles: KeyAngles  # one per layout pair
+    layer: LatentLayer  # the same, with the key columns' dims and heads and U_v, checked
 
     def __call__(
         self, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor
@@ -40,19 +41,14 @@ class NativeKeyScores:
         new: tuple[torch.Tensor, torch.Tensor],
         rows: torch.Tensor,
         ctx: tuple[torch.Tensor, torch.Tensor],
-        columns: tuple[torch.Tensor, torch.Tensor],
-        values: tuple[torch.Tensor, torch.Tensor | None],
         scale: float,
     ) -> torch.Tensor:
         """The layer's decode attention [B, H, d] in one call (``LatentScoresLibrary.
         attention``): ``new`` (latents, slots) written to ``rows``, then queries q [B, H,
-        d] against the tokens at ``ctx`` = (slots [B, L], lengths [B]); ``columns``: each
-        key column's dim and KV head; ``values``: (U_v per KV head, bias or None)."""
+        d] against the tokens at ``ctx`` = (slots [B, L], lengths [B])."""
         slots, lengths = ctx
-        wpad = self.library.padded(self.width)
-        cos, sin = self.angles.tables(slots.shape[1], wpad)
-        keys = LatentKeys(self.r_k, self.copied, self.u_rest, cos, sin, *columns)
-        return self.library.attention(q, new, rows, slots, lengths, keys, values, scale)
+        tables = self.angles.tables(slots.shape[1], self.layer.wpad)
+        return self.library.attention(q, new, rows, slots, lengths, self.layer, tables, scale)
 
     def values(
         self, probs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
@@ -62,12 +58,18 @@ class NativeKeyScores:
 
 
 def native_key_scores(
-    u_k_rest: torch.Tensor, copied: tuple[int, int], angles: KeyAngles | None, plain: bool
+    u_k_rest: torch.Tensor,
+    copied: tuple[int, int],
+    angles: KeyAngles | None,
+    plain: bool,
+    columns: tuple[torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor | None],
 ) -> NativeKeyScores | None:
     """The native form of a latent layer's scores, or None where the library did not
     build or the layer is one it does not take: ``u_k_rest`` [rest, r_k] (the rebuilt
     columns' U_k, ``LatentFactors.u_k_rest``) not fp32 on the CPU, no RoPE (``angles``
-    None), or not ``plain`` (a bias or a norm on k)."""
+    None), or not ``plain`` (a bias or a norm on k). ``columns``: each key column's dim
+    and KV head; ``values``: U_v per KV head [kv_heads, r_v, d] and its bias or None."""
     library = latent_scores_library()
     fp32_cpu = u_k_rest.dtype == torch.float32 and u_k_rest.device.type == "cpu"
     if library is None or angles is None or not plain or not fp32_cpu:
@@ -78,4 +80,5 @@ def native_key_scores(
         return None
     u_rest = torch.zeros(r_k, upad)
     u_rest[:, :rest] = u_k_rest.t()
-    return NativeKeyScores(library, r_k, copied, u_rest, copied[1] + rest, angles)
+    layer = library.layer(r_k, copied, u_rest, *columns, *values)
+    return NativeKeyScores(library, r_k, copied, u_rest, copied[1] + rest, angles, layer)
