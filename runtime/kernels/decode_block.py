@@ -3,8 +3,8 @@ calls, the attention half and the MLP half, each one parallel region over panel-
 weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
 machine (``native_build``); and the dense cache's write and attention alone
 (``DecodeBlockLibrary.cached_attention``) for layers that make their own projections,
-and a latent-cache layer's q beside its k|v latent (``q_and_latent``).
-The layers use it
+and a latent-cache layer's q, rotated, beside its k|v latent (``q_and_latent``) and its
+W_o in the MLP half's call (``mlp``'s ``after``). The layers use it
 through ``runtime.model.decode_block``; where it did not build they run their ops one by
 one."""
 

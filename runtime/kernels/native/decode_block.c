@@ -7,8 +7,9 @@
  *                   RoPE of q and k; k and v written to their cache slots; each query
  *                   head against its KV head's cached keys and values (GQA), read in
  *                   place; the heads' output times W_o -> out (not yet reduced)
- *   MLP half:       x += the attention half's summands; RMSNorm; gate|up (likewise);
- *                   silu(gate) * up; times W_down -> out (not yet reduced)
+ *   MLP half:       x += the attention half's summands (or a latent-cache layer's heads'
+ *                   output times W_o); RMSNorm; gate|up (likewise); silu(gate) * up;
+ *                   times W_down -> out (not yet reduced)
  *
  * A low-rank projection's latent stays in this call's scratch between its down and up
  * products (a few KB at decode rows) instead of becoming a tensor between torch calls.
