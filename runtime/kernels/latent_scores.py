@@ -177,32 +177,7 @@ class LatentScoresLibrary:
         (latents, new_slots), (cos, sin) = new, tables
         (batch, length), heads, d = slots.shape, q.shape[-2], q.shape[-1]
         kv_heads, r_v, (first, copies) = layer.u_v.shape[0], layer.u_v.shape[1], layer.copied
-        columns = layer.r_k + r_v
-        fits = (
-            q.dtype == latents.dtype == rows.dtype == cos.dtype == sin.dtype == torch.float32
-            and q.dim() == 3
-            and q.is_contiguous()
-            and q.shape[0] == batch
-            and heads % kv_heads == 0
-            and d == layer.u_v.shape[2]
-            and latents.shape == (batch, columns)
-            and latents.stride(1) == 1
-            and rows.dim() == 2
-            and rows.shape[1] == columns
-            and rows.stride(1) == 1
-            and rows.is_cpu
-            and new_slots.dtype == slots.dtype == lengths.dtype == torch.int64
-            and new_slots.shape == (batch,) == lengths.shape
-            and new_slots.is_contiguous()
-            and slots.is_contiguous()
-            and lengths.is_contiguous()
-            and cos.shape == sin.shape
-            and cos.shape[0] >= length
-            and cos.shape[1] == layer.wpad
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-        )
-        if not fits:
+        if not _fits(q, new, rows, slots, lengths, layer, tables):
             _check("latent attention", _call_checks(q, new, rows, slots, lengths, layer, tables))
             raise ValueError("latent attention: operands it does not take")
         out = torch.empty(batch, heads, d, dtype=torch.float32)
@@ -220,6 +195,36 @@ class LatentScoresLibrary:
             raise MemoryError("latent attention: no scratch memory")
         _check("latent attention", {"slots within the cache's rows": not failed})
         return out
+
+
+def _fits(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> bool:
+    """``attention``'s checks as one boolean (``_call_checks`` names them)."""
+    (latents, new_slots), (cos, sin) = new, tables
+    (batch, length), u_v = slots.shape, layer.u_v
+    return (
+        q.dtype == latents.dtype == rows.dtype == cos.dtype == sin.dtype == torch.float32
+        and q.dim() == 3
+        and q.is_contiguous()
+        and q.shape[0] == batch
+        and q.shape[1] % u_v.shape[0] == 0
+        and q.shape[2] == u_v.shape[2]
+        and latents.shape == (batch, layer.r_k + u_v.shape[1])
+        and latents.stride(1) == 1
+        and rows.dim() == 2
+        and rows.shape[1] == layer.r_k + u_v.shape[1]
+        and rows.stride(1) == 1
+        and rows.is_cpu
+        and new_slots.dtype == slots.dtype == lengths.dtype == torch.int64
+        and new_slots.shape == (batch,) == lengths.shape
+        and new_slots.is_contiguous()
+        and slots.is_contiguous()
+        and lengths.is_contiguous()
+        and cos.shape == sin.shape
+        and cos.shape[0] >= length
+        and cos.shape[1] == layer.wpad
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
 
 
 def _call_checks(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> dict[str, bool]:
