@@ -108,6 +108,11 @@ def covers(
     return plain and not biases and fp32 and built
 
 
+def _rope_half(model: ModelConfig) -> int:
+    """RoPE's pairs as the native calls take them: j with j + half (neox), or adjacent (0)."""
+    return model.head_dim // 2 if model.positions.style == "neox" else 0
+
+
 def _panels(weights: dict[str, object], name: str) -> ReleasedMatrix | None:
     m = weights.get(name)
     return m if isinstance(m, ReleasedMatrix) and m.form.kind == "panel" else None
@@ -275,8 +280,8 @@ class LatentAttentionHalf:
         else:
             q, qkv = None, Projection(cat.copy, cat.shape[1], ((q_up.copy, *q_up.shape),))
         norm = weights["input_norm.weight"].contiguous()
-        library, d = decode_block_library(), model.head_dim
-        rope = (d, d // 2 if model.positions.style == "neox" else 0)
+        rope = (model.head_dim, _rope_half(model))
+        library = decode_block_library()
         return LatentAttentionHalf(library, model.norm.eps, norm, q, qkv, kv, o, rope)
 
     def project(
@@ -329,7 +334,7 @@ class DecodeBlock:
         )
         if not fits:
             return None
-        half = d // 2 if model.positions.style == "neox" else 0
+        half = _rope_half(model)
         norm = weights["input_norm.weight"].contiguous()
         return DecodeBlock(
             decode_block_library(), (heads, kv_heads, d), model.norm.eps, half, norm, qkv, o, mlp
