@@ -66,9 +66,9 @@ class BenchConfig:
     rule: str = "smaller_dim_fraction"
     # Engines tune their products with reordered weights (RunnerConfig.pack_weights)
     pack_weights: bool = True
-    # Throughput runs of the engine rows of one batch take their steps in turn, each
-    # engine timed over its own (``measure.lockstep_runs``); transformers rows run alone.
-    # Not with links: rows that differ only in their link share one engine.
+    # Throughput runs (and breakdowns) of the engine rows of one batch and link take their
+    # steps in turn, each engine timed over its own (``measure.lockstep_runs``,
+    # ``lockstep_breakdowns``); transformers rows run alone.
     lockstep: bool = False
     # Start and measure the engines of one tp degree at a time (all repetitions, then
     # closed before the next degree's start); transformers' rows go with the first. For
@@ -85,11 +85,6 @@ class BenchConfig:
         if self.hosts is not None and (self.hosts < 2 or not self.links):
             raise UserError(
                 f"bench: --hosts {self.hosts}: emulated machines need --link and number at least 2"
-            )
-        if self.lockstep and self.links:
-            raise UserError(
-                "bench: --lockstep cannot be combined with --link "
-                "(rows that differ only in their link share one engine)"
             )
 
 
@@ -238,6 +233,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         # The per-block compute is read from these steps alone, once per row (the cache
         # holds output_len - 1 of them): every step the requests have, not 4.
         "breakdown_steps": 15,
+        # The rows behind one link step in turn, their breakdowns too: taken one row
+        # after another, one engine's own compute moved 9.7-22.6 ms a block between
+        # repetitions on the AVX2 VM (docs/bench/paper-table5-cpu/2026-12-07-layers-own).
+        "lockstep": True,
     },
     # When does the decomposed model serve faster than the dense one: cpu-demo at tp 2
     # and 4, deinfer in the optimized and the paper's layouts beside Base and the dense

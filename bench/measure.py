@@ -175,61 +175,104 @@ def serving_run(llm: LLM, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
     }
 
 
-def breakdown_run(llm: LLM, cfg: BenchConfig, vocab: int, layers: int) -> dict[str, Any]:
-    """Per block and decode step: communication time (timed collectives) and the rest
-    (compute plus runtime overhead), and what each collective kind moved per token per
-    block (to compare with the plan)."""
-    # A batch that fills a graph bucket exactly: no padded rows, so elements per token
-    # are what the plan counts.
-    n = 1 << (min(cfg.max_batch, cfg.num_requests).bit_length() - 1)
-    prompts = prompts_for(cfg, n, vocab, cfg.seed + 3)
-    # The engine's cache holds prompt_len + output_len tokens a request: more steps than
-    # that would stall the batch on the cache (and time nothing).
-    params = SamplingParams(max_tokens=min(cfg.breakdown_steps + 1, cfg.output_len))
-    for p in prompts:
-        llm.add_request(p, params)
-    llm.step()  # prefill, not counted
-    llm.workers.call("take_comm_stats")
-    start = time.perf_counter()
-    steps = tokens = 0
-    while llm.scheduler.has_work():
-        advanced = len(llm.step())
-        steps += advanced > 0
-        tokens += advanced
-    elapsed = time.perf_counter() - start
-    by_rank = llm.workers.call("take_comm_stats")
-    stats = by_rank[0]
-    block = {k: v for k, v in stats.items() if ":" not in k}  # embedding/logits are tagged
-    comm_ms = sum(v[2] for v in block.values()) / max(1, steps) / layers * 1e3
-    total_ms = elapsed / max(1, steps) / layers * 1e3
-    rank_ms = stats.get("step:rank", (0, 0, elapsed))[2] / max(1, steps) / layers * 1e3
-    per_token = max(1, tokens) * layers
-    # The layers' own work on each rank (their time less their collectives and the waits
-    # before them); the slowest rank's is the step's critical path. None where no rank
-    # ran its layers eagerly (a graph replay records nothing).
-    per_block = 1e3 / max(1, steps) / layers
-    own = [r["step:blocks"][2] * per_block for r in by_rank if "step:blocks" in r]
-    return {
-        "block_ms_per_step": {"communication": comm_ms, "compute_and_overhead": total_ms - comm_ms},
-        "block_compute_ms_per_step": max(own) if own else None,
-        "block_compute_ms_per_step_by_rank": own,
-        # The same step seen from rank 0 (its forward and sampling, without the driver's
-        # scheduling and the messages to and from the ranks), per block.
-        "rank_ms_per_step_per_block": rank_ms,
-        "driver_ms_per_step": (total_ms - rank_ms) * layers,
-        "elements_per_token_per_block": {k: v[1] / per_token for k, v in block.items()},
-        "collectives_per_token_per_block": {k: v[0] / per_token for k, v in block.items()},
-        "decode_steps": steps,
-        "decode_tokens": tokens,
-    }
+class _BreakdownClock:
+    """One engine's breakdown run: its batch prefilled (not counted), then its decode
+    steps, each timed alone, while its ranks time their collectives. Several clocks step
+    in turn in ``lockstep_breakdowns``."""
+
+    def __init__(
+        self, llm: LLM, cfg: BenchConfig, vocab: int, layers: int, threads: int | None
+    ) -> None:
+        self.llm, self.layers, self.threads = llm, layers, threads
+        # A batch that fills a graph bucket exactly: no padded rows, so elements per
+        # token are what the plan counts.
+        n = 1 << (min(cfg.max_batch, cfg.num_requests).bit_length() - 1)
+        # The engine's cache holds prompt_len + output_len tokens a request: more steps
+        # than that would stall the batch on the cache (and time nothing).
+        params = SamplingParams(max_tokens=min(cfg.breakdown_steps + 1, cfg.output_len))
+        for p in prompts_for(cfg, n, vocab, cfg.seed + 3):
+            llm.add_request(p, params)
+        llm.step()  # prefill, not counted
+        llm.workers.call("take_comm_stats")
+        self.elapsed, self.steps, self.tokens = 0.0, 0, 0
+
+    @property
+    def busy(self) -> bool:
+        return self.llm.scheduler.has_work()
+
+    def step(self) -> None:
+        if self.threads is not None:  # an engine in this process (``lockstep_runs``)
+            self.llm.workers.call("threads", self.threads)
+        start = time.perf_counter()
+        advanced = len(self.llm.step())
+        self.elapsed += time.perf_counter() - start
+        self.steps += advanced > 0
+        self.tokens += advanced
+
+    def result(self) -> dict[str, Any]:
+        by_rank = self.llm.workers.call("take_comm_stats")
+        stats, layers, steps = by_rank[0], self.layers, max(1, self.steps)
+        block = {k: v for k, v in stats.items() if ":" not in k}  # embedding/logits are tagged
+        comm_ms = sum(v[2] for v in block.values()) / steps / layers * 1e3
+        total_ms = self.elapsed / steps / layers * 1e3
+        rank_ms = stats.get("step:rank", (0, 0, self.elapsed))[2] / steps / layers * 1e3
+        per_token = max(1, self.tokens) * layers
+        # The layers' own work on each rank (their time less their collectives and the
+        # waits before them); the slowest rank's is the step's critical path. None where
+        # no rank ran its layers eagerly (a graph replay records nothing).
+        own = [r["step:blocks"][2] * 1e3 / steps / layers for r in by_rank if "step:blocks" in r]
+        return {
+            "block_ms_per_step": {
+                "communication": comm_ms,
+                "compute_and_overhead": total_ms - comm_ms,
+            },
+            "block_compute_ms_per_step": max(own) if own else None,
+            "block_compute_ms_per_step_by_rank": own,
+            # The same step seen from rank 0 (its forward and sampling, without the
+            # driver's scheduling and the messages to and from the ranks), per block.
+            "rank_ms_per_step_per_block": rank_ms,
+            "driver_ms_per_step": (total_ms - rank_ms) * layers,
+            "elements_per_token_per_block": {k: v[1] / per_token for k, v in block.items()},
+            "collectives_per_token_per_block": {k: v[0] / per_token for k, v in block.items()},
+            "decode_steps": self.steps,
+            "decode_tokens": self.tokens,
+        }
+
+
+def lockstep_breakdowns(
+    llms: list[LLM],
+    layers: list[int],
+    cfg: BenchConfig,
+    vocab: int,
+    threads: list[int | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Per engine, per block and decode step: communication time (timed collectives,
+    timed for this run alone: their barriers slow steps), the rest (compute plus runtime
+    overhead), the layers' own compute, and what each collective kind moved per token
+    per block (to compare with the plan). The engines take their decode steps in turn,
+    as ``lockstep_runs``: behind emulated links on this 2-core VM one engine's own
+    compute moved up to 2x between breakdowns taken one after another. ``threads``: as
+    ``lockstep_runs``'."""
+    threads = threads or [None] * len(llms)
+    for llm in llms:
+        llm.workers.call("set_comm_stats", "timed")
+    clocks = [
+        _BreakdownClock(llm, cfg, vocab, n, t)
+        for llm, n, t in zip(llms, layers, threads, strict=True)
+    ]
+    while any(c.busy for c in clocks):
+        for c in clocks:
+            if c.busy:
+                c.step()
+    out = [c.result() for c in clocks]
+    for llm in llms:
+        llm.workers.call("set_comm_stats", "off")
+    return out
 
 
 def timed_breakdown(llm: LLM, spec: Any, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
-    """One breakdown run, the collectives timed for it alone (their barriers slow steps)."""
-    llm.workers.call("set_comm_stats", "timed")
-    out = breakdown_run(llm, cfg, vocab, spec.model.num_layers)
-    llm.workers.call("set_comm_stats", "off")
-    return out
+    """One engine's breakdown run alone (``lockstep_breakdowns``)."""
+    return lockstep_breakdowns([llm], [spec.model.num_layers], cfg, vocab)[0]
 
 
 def median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:

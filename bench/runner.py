@@ -25,8 +25,8 @@ from bench import peer
 from bench.baseline import hf_throughput, memory_bandwidth
 from bench.config import PRESETS, BenchConfig, preset
 from bench.measure import (
+    lockstep_breakdowns,
     lockstep_runs,
-    median_breakdown,
     prompts_for,
     serving_run,
     throughput_run,
@@ -34,13 +34,13 @@ from bench.measure import (
 )
 from bench.rank_alone import RankAloneLLM
 from bench.ratios import add_ratios
+from bench.rows import report_row, threads_per_rank
 from bench.variants import (
     Variant,
     cpu_times,
     machine,
     max_batch,
     phases,
-    planned_elements,
     steal_fraction,
     variant_spec,
     variants_of,
@@ -48,7 +48,7 @@ from bench.variants import (
 from dsl import Spec, load_spec
 from dsl.errors import UserError
 from runtime.dist.emulated_link import LinkSpec
-from runtime.engine.config import EngineOptions, default_path, default_threads
+from runtime.engine.config import EngineOptions, default_threads
 from runtime.engine.llm import LLM
 from runtime.tools.random_checkpoint import write_random_checkpoint
 
@@ -131,7 +131,7 @@ def _start(v: Variant, models: _Models, cfg: BenchConfig, link: str | None = Non
         num_blocks=blocks + 1,
         overlap=cfg.overlap,
         path=cfg.path,
-        threads=_threads(cfg, v),
+        threads=threads_per_rank(cfg, v),
         link=link if v.tp > 1 else None,
         link_hosts=v.hosts,  # set only on linked rows whose tp it divides
         up_layout=v.up_layout,
@@ -161,24 +161,14 @@ def _start_peer(v: Variant, spec: Spec, models: _Models, cfg: BenchConfig) -> pe
         models.gguf[v.ratio] = path, streamed
     path, streamed = models.gguf[v.ratio]
     context = cfg.prompt_len + cfg.output_len
-    return peer.LlamaCpp(path, max_batch(cfg), context, _threads(cfg, v), streamed)
-
-
-def _threads(cfg: BenchConfig, v: Variant) -> int:
-    """The row's intra-op threads per rank: its own, the bench's, or cores // tp. The hf
-    row is one process, which a user would give every core the widest engine row uses
-    (at tp 2 with one thread per rank: two threads), never more than the machine has."""
-    if v.mode == "hf" and not v.threads:
-        cores = default_threads(1)
-        return min(cores, cfg.threads * max(cfg.tps)) if cfg.threads else cores
-    return v.threads or cfg.threads or default_threads(v.tp)
+    return peer.LlamaCpp(path, max_batch(cfg), context, threads_per_rank(cfg, v), streamed)
 
 
 def _use_threads(v: Variant, engine, cfg: BenchConfig) -> None:
     """A tp 1 engine (or a rank alone) runs in this process, whose thread count other
     rows may have changed: give it the row's own."""
     if v.in_process:
-        engine.workers.call("threads", _threads(cfg, v))
+        engine.workers.call("threads", threads_per_rank(cfg, v))
 
 
 def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]:
@@ -186,24 +176,15 @@ def _measure(v: Variant, engine, cfg: BenchConfig, vocab: int) -> dict[str, Any]
     if v.external:
         prompts = prompts_for(cfg, v.batch or cfg.num_requests, vocab, cfg.seed)
         if v.mode == "llama.cpp":
-            engine.set_threads(_threads(cfg, v))
+            engine.set_threads(threads_per_rank(cfg, v))
             return {"throughput": engine.throughput(prompts, cfg.output_len)}
-        torch.set_num_threads(_threads(cfg, v))
+        torch.set_num_threads(threads_per_rank(cfg, v))
         return {"throughput": hf_throughput(engine, prompts, cfg.output_len)}
     _use_threads(v, engine, cfg)
     out = {"throughput": throughput_run(engine, cfg, vocab, v.batch)}
     if cfg.serving:
         out["serving"] = serving_run(engine, cfg, vocab)
     return out
-
-
-def _streamed_bytes(v: Variant, engine) -> int:
-    if not v.external:
-        return engine.workers.call("streamed_weight_bytes")[0]
-    if v.mode == "llama.cpp":
-        return engine.streamed_weight_bytes
-    named = engine.named_parameters(remove_duplicate=False)
-    return sum(p.numel() * p.element_size() for n, p in named if "embed_tokens" not in n)
 
 
 class _Session:
@@ -279,15 +260,16 @@ class _Session:
 
     def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
         """One repetition: transformers' rows alone, then the engine rows of each batch
-        in lockstep and, if the bench serves, each of those rows' serving run alone."""
-        by_batch: dict[int | None, list[Variant]] = {}
+        (and link) in lockstep, their breakdowns in lockstep too, and, if the bench
+        serves, each of those rows' serving run alone."""
+        groups: dict[tuple[str | None, int | None], list[Variant]] = {}
         for v in self.variants:
             if v.external:
                 self.note(f"rep {rep + 1}/{self.cfg.reps} {v.label}")
                 raw[v].append(_measure(v, self.engines[v.engine], self.cfg, self.vocab))
-            else:
-                by_batch.setdefault(v.batch, []).append(v)
-        for batch, rows in by_batch.items():
+            else:  # rows of one group have engines of their own (``Variant.engine``)
+                groups.setdefault((v.link, v.batch), []).append(v)
+        for (_, batch), rows in groups.items():
             self.note(
                 f"rep {rep + 1}/{self.cfg.reps} in lockstep: " + ", ".join(v.label for v in rows)
             )
@@ -297,22 +279,36 @@ class _Session:
             # with as many repetitions as rows each takes the first place once.
             shift = rep % len(rows)
             rows = rows[shift:] + rows[:shift]
-            engines = [self.engines[v.engine] for v in rows]
+            engines = [self.engine(v) for v in rows]  # each behind its row's link
             # tp 1 engines (and ranks alone) run in this process, whose thread count
             # they share: each is given its own before each of its steps
-            threads = [_threads(self.cfg, v) if v.in_process else None for v in rows]
+            threads = [threads_per_rank(self.cfg, v) if v.in_process else None for v in rows]
             runs = lockstep_runs(engines, self.cfg, self.vocab, batch, threads)
             for v, run in zip(rows, runs, strict=True):
                 raw[v].append({"throughput": run})
+                if self.planner and v.link:
+                    self.planner.probe(self.engines[v.engine], v)
                 if self.cfg.serving:
                     _use_threads(v, self.engines[v.engine], self.cfg)
                     raw[v][-1]["serving"] = serving_run(
                         self.engines[v.engine], self.cfg, self.vocab
                     )
-                self._break_down(v, raw[v][-1])
+            self._break_down_together(rows, [raw[v][-1] for v in rows])
+
+    def _break_down_together(self, rows: list[Variant], runs: list[dict[str, Any]]) -> None:
+        """The per-block breakdowns of rows measured in lockstep, their steps in turn."""
+        if not self.cfg.breakdown:
+            return
+        timed = [(v, run) for v, run in zip(rows, runs, strict=True) if not v.alone]
+        engines = [self.engine(v) for v, _ in timed]
+        layers = [self.specs[v.engine].model.num_layers for v, _ in timed]
+        threads = [threads_per_rank(self.cfg, v) if v.in_process else None for v, _ in timed]
+        outs = lockstep_breakdowns(engines, layers, self.cfg, self.vocab, threads)
+        for (_, run), out in zip(timed, outs, strict=True):
+            run["breakdown"] = out
 
     def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
-        row = _row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
+        row = report_row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
         row["start_seconds"] = self.start_seconds.get(v.engine)
         if self.planner and v.link:
             spec, down = self.specs[v.engine], row["down_layout_used"]
@@ -355,40 +351,3 @@ def run_bench(
     results["machine"]["cpu_steal_fraction"] = steal_fraction(cpu_before, cpu_times())
     add_ratios(results)
     return results
-
-
-def _row(v: Variant, runs: list[dict[str, Any]], engine, spec, cfg: BenchConfig) -> dict:
-    def rank0(method: str) -> Any:
-        """Rank 0's answer to ``method`` (None for the rows of other programs)."""
-        return None if v.external else engine.workers.call(method)[0]
-
-    row = {
-        **asdict(v),
-        "label": v.label,
-        "threads_per_rank": _threads(cfg, v),
-        "path": None if v.external else cfg.path or default_path(),
-        "throughput": [r["throughput"] for r in runs],
-        "serving": [r["serving"] for r in runs if "serving" in r],
-        "streamed_weight_bytes_per_rank": _streamed_bytes(v, engine),
-        # rank 0's tuned product forms (the ranks of a group choose alike when their
-        # shards have the same shapes), {"KxN": {rows: form}}; none off the CPU path
-        "gemm_forms": rank0("gemm_forms"),
-        # the layout the engine holds deinfer's o/down up factors in ("auto" resolved)
-        "up_layout_used": rank0("plan_up_layout"),
-        # ... and its column groups' down factors (split, or whole on every rank)
-        "down_layout_used": None if v.external else engine.plan.down_layout,
-        # rank 0's start-up tuning: shapes, classes, timed, from the cache, seconds
-        "tuning": None if v.external else asdict(rank0("tuning_report")),
-        # rank 0's reordered weight copies (the tuned "packed" form), beside its weights
-        "packed_weight_bytes_per_rank": rank0("packed_weight_bytes"),
-        # rank 0's weights kept only in a tuned form's layout (in place of the weight)
-        "released_weight_bytes_per_rank": rank0("released_weight_bytes"),
-        # rank 0's latent layers: {layer: [key columns copied from the latent, of all]}
-        "latent_key_copies": rank0("latent_key_copies"),
-    }
-    breakdowns = [r["breakdown"] for r in runs if "breakdown" in r]
-    if breakdowns:
-        row["breakdown"] = median_breakdown(breakdowns)
-        planned = planned_elements(spec, v.mode, row["up_layout_used"], row["down_layout_used"])
-        row["planned_elements_per_token_per_block"] = planned
-    return row

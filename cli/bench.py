@@ -83,8 +83,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lockstep",
         action="store_true",
-        help="run the engine rows of each batch in lockstep: a decode step of each in turn, "
-        "each timed over its own (transformers rows run alone; not with --link)",
+        help="run the engine rows of each batch (and link) in lockstep: a decode step of each "
+        "in turn, each timed over its own, their breakdowns too (transformers rows run alone)",
     )
     p.add_argument(
         "--up-layouts",
@@ -216,8 +216,6 @@ def _bench_config(args: argparse.Namespace, cfg: BenchConfig) -> BenchConfig:
         "rule": args.rule,
         "lockstep": True if args.lockstep else None,
     }
-    if args.link and not args.lockstep:  # not a preset's lockstep: links' rows share engines
-        overrides["lockstep"] = False
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.no_overlap:
         cfg = replace(cfg, overlap=False)

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
 from bench.link_planner import CostModelPlanner
 from bench.link_report import link_markdown, link_plot
 from bench.report import markdown, plots
+from bench.rows import threads_per_rank
 from bench.runner import (
     PRESETS,
     BenchConfig,
-    _threads,
     preset,
     run_bench,
     variants_of,
@@ -194,7 +193,7 @@ def test_presets_scale_the_paper_settings_and_cli_writes_outputs(tmp_path, monke
     assert "ratio:5.18" in table5.links and "ratio:0.373" in table5.links  # 12.182 / 2.352
     # transformers runs on the cores of the tp 2 engine rows (one thread per rank)
     (hf,) = [v for v in variants_of(table5) if v.mode == "hf"]
-    assert _threads(table5, hf) == min(2, default_threads(1))
+    assert threads_per_rank(table5, hf) == min(2, default_threads(1))
     for name in PRESETS:  # every preset names a shipped spec and builds its rows
         cfg = preset(name)
         load_spec(REPO / cfg.spec)
@@ -258,6 +257,7 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
         serving=False,
         overlap=False,
         links=("ratio:0.2", "300mbit"),
+        lockstep=True,  # the rows of each link step in turn, their breakdowns too
     )
     planner = CostModelPlanner(profile=load_profile("a800-pcie"))
     results = run_bench(cfg, None, planner)
@@ -289,45 +289,6 @@ def test_bench_behind_emulated_links_with_the_cost_model(tmp_path):
     assert table.count("| ratio:0.2 |") == 3 and table.count("| 300mbit |") == 3
     assert link_plot(results, tmp_path).is_file()
     assert [n for n in namespaces() if n.startswith(f"deinfer-{os.getpid()}-")] == []
-
-
-class _FakeEngine:
-    """What ``lockstep_runs`` uses of an engine: one token per request and step."""
-
-    def __init__(self, tp: int, log: list[str], name: str) -> None:
-        self.spec = SimpleNamespace(parallel=SimpleNamespace(tp=tp))
-        self.workers = SimpleNamespace(call=lambda *args: None)
-        self.scheduler = SimpleNamespace(has_work=lambda: self.left > 0)
-        self.log, self.name, self.left, self.seqs = log, name, 0, []
-
-    def add_request(self, prompt, params):
-        self.seqs.append(SimpleNamespace(id=len(self.seqs)))
-        self.left = params.max_tokens
-
-    def step(self):
-        self.log.append(self.name)
-        self.left -= 1
-        return [(s, 0, 0.0) for s in self.seqs]
-
-
-def test_lockstep_waits_out_spinning_threads_before_another_process_steps(monkeypatch):
-    """A 2-thread step in this process is followed by the pause only when some engine's
-    ranks run elsewhere (their cores are the ones the spinning threads would take)."""
-    from bench import measure
-
-    cfg = replace(preset("cpu-smoke"), output_len=2, num_requests=1)
-    round_with_ranks = ["t1", "t2", "pause", "ranks"]
-    for tps, threads, expected in (
-        ((1, 1, 2), [1, 2, None], round_with_ranks * 2),
-        ((1, 1), [1, 2], ["t1", "t2"] * 2),  # the spinning threads are the next engine's own
-    ):
-        log: list[str] = []
-        monkeypatch.setattr(measure.time, "sleep", lambda s, log=log: log.append("pause"))
-        names = [f"t{t}" if t else "ranks" for t in threads]
-        engines = [_FakeEngine(tp, log, n) for tp, n in zip(tps, names, strict=True)]
-        runs = measure.lockstep_runs(engines, cfg, vocab=8, threads=threads)
-        assert len(runs) == len(engines)
-        assert log == expected
 
 
 @needs_netns
@@ -373,10 +334,10 @@ def _parsed_bench(*argv: str):
     return _bench_config(args, preset(args.preset))
 
 
-def test_a_link_turns_off_a_presets_lockstep_but_not_an_asked_for_one():
-    """vs-dense-cpu runs in lockstep on loopback and behind one link at a time."""
+def test_a_link_keeps_a_presets_lockstep_and_an_asked_for_one():
+    """Rows behind one link step together as rows on loopback do."""
     assert _parsed_bench("--preset", "vs-dense-cpu").lockstep
     behind = _parsed_bench("--preset", "vs-dense-cpu", "--link", "ratio:0.373")
-    assert not behind.lockstep and behind.links == ("ratio:0.373",)
-    with pytest.raises(UserError, match="--lockstep cannot be combined with --link"):
-        _parsed_bench("--preset", "cpu-smoke", "--lockstep", "--link", "ratio:0.373")
+    assert behind.lockstep and behind.links == ("ratio:0.373",)
+    asked = _parsed_bench("--preset", "cpu-smoke", "--lockstep", "--link", "ratio:0.373")
+    assert asked.lockstep and asked.links == ("ratio:0.373",)

@@ -182,8 +182,6 @@ def test_lockstep_bench_rows_and_its_limits():
             dense / latent["decode_tokens_per_s"]["median"]
         )
     assert "decode steps taken in turn" in markdown(results)
-    with pytest.raises(ValueError, match="--lockstep cannot be combined with --link"):
-        BenchConfig(spec="s", links=("100mbit",), lockstep=True)
 
 
 def test_tp1_thread_rows_run_at_their_own_thread_count_and_scaling_is_reported(monkeypatch):
