@@ -2,10 +2,10 @@
 
 fp32 only; tolerance 1e-4 of the output's scale, as for the torch forms (it sums each
 output in k order, one FMA per term). Over hypothesis shapes: any row count (the kernel
-takes them in blocks of its register rows), K and N odd and below one panel, and one or
-two threads (OpenMP shares the panels out). The source is also built for narrower
-vector units than this CPU's (AVX2's 8 lanes and 12 register rows; the portable 4-lane
-form), so the code other machines run is tested here too."""
+takes them in passes of at most its register rows, shared evenly), K and N odd and below
+one panel, and one or two threads (OpenMP shares the panels out). The source is also
+built for narrower vector units than this CPU's (AVX2's 8 lanes and 12 register rows;
+the portable 4-lane form), so the code other machines run is tested here too."""
 
 from __future__ import annotations
 
