@@ -192,6 +192,7 @@ class _BreakdownClock:
         params = SamplingParams(max_tokens=min(cfg.breakdown_steps + 1, cfg.output_len))
         for p in prompts_for(cfg, n, vocab, cfg.seed + 3):
             llm.add_request(p, params)
+        self._use_threads()
         llm.step()  # prefill, not counted
         llm.workers.call("take_comm_stats")
         self.elapsed, self.steps, self.tokens = 0.0, 0, 0
@@ -200,9 +201,12 @@ class _BreakdownClock:
     def busy(self) -> bool:
         return self.llm.scheduler.has_work()
 
-    def step(self) -> None:
+    def _use_threads(self) -> None:
         if self.threads is not None:  # an engine in this process (``lockstep_runs``)
             self.llm.workers.call("threads", self.threads)
+
+    def step(self) -> None:
+        self._use_threads()
         start = time.perf_counter()
         advanced = len(self.llm.step())
         self.elapsed += time.perf_counter() - start
@@ -251,8 +255,8 @@ def lockstep_breakdowns(
     overhead), the layers' own compute, and what each collective kind moved per token
     per block (to compare with the plan). The engines take their decode steps in turn,
     as ``lockstep_runs``: behind emulated links on this 2-core VM one engine's own
-    compute moved up to 2x between breakdowns taken one after another. ``threads``: as
-    ``lockstep_runs``'."""
+    compute moved up to 2x between breakdowns taken one after another. ``threads``: per
+    engine, as in ``lockstep_runs``."""
     threads = threads or [None] * len(llms)
     for llm in llms:
         llm.workers.call("set_comm_stats", "timed")
