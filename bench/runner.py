@@ -248,15 +248,8 @@ class _Session:
                 raw[v].append(_measure(v, self.engine(v), self.cfg, self.vocab))
                 if self.planner and v.link:
                     self.planner.probe(self.engines[v.engine], v)
-                self._break_down(v, raw[v][-1])
+                self._break_down([v], [raw[v][-1]])
         return raw
-
-    def _break_down(self, v: Variant, run: dict[str, Any]) -> None:
-        """The per-block breakdown, once per repetition (the row gives its medians)."""
-        if v.external or v.alone or not self.cfg.breakdown:  # a rank alone has no collectives
-            return
-        spec = self.specs[v.engine]
-        run["breakdown"] = timed_breakdown(self.engines[v.engine], spec, self.cfg, self.vocab)
 
     def _lockstep(self, rep: int, raw: dict[Variant, list[dict[str, Any]]]) -> None:
         """One repetition: transformers' rows alone, then the engine rows of each batch
@@ -280,10 +273,7 @@ class _Session:
             shift = rep % len(rows)
             rows = rows[shift:] + rows[:shift]
             engines = [self.engine(v) for v in rows]  # each behind its row's link
-            # tp 1 engines (and ranks alone) run in this process, whose thread count
-            # they share: each is given its own before each of its steps
-            threads = [threads_per_rank(self.cfg, v) if v.in_process else None for v in rows]
-            runs = lockstep_runs(engines, self.cfg, self.vocab, batch, threads)
+            runs = lockstep_runs(engines, self.cfg, self.vocab, batch, self._own_threads(rows))
             for v, run in zip(rows, runs, strict=True):
                 raw[v].append({"throughput": run})
                 if self.planner and v.link:
@@ -293,19 +283,27 @@ class _Session:
                     raw[v][-1]["serving"] = serving_run(
                         self.engines[v.engine], self.cfg, self.vocab
                     )
-            self._break_down_together(rows, [raw[v][-1] for v in rows])
+            self._break_down(rows, [raw[v][-1] for v in rows])
 
-    def _break_down_together(self, rows: list[Variant], runs: list[dict[str, Any]]) -> None:
-        """The per-block breakdowns of rows measured in lockstep, their steps in turn."""
+    def _break_down(self, rows: list[Variant], runs: list[dict[str, Any]]) -> None:
+        """The per-block breakdowns of ``rows``, once per repetition (each row gives its
+        medians), their steps in turn (``lockstep_breakdowns``); not for other programs'
+        rows or a rank alone (no collectives)."""
         if not self.cfg.breakdown:
             return
-        timed = [(v, run) for v, run in zip(rows, runs, strict=True) if not v.alone]
+        pairs = zip(rows, runs, strict=True)
+        timed = [(v, run) for v, run in pairs if not (v.external or v.alone)]
         engines = [self.engine(v) for v, _ in timed]
         layers = [self.specs[v.engine].model.num_layers for v, _ in timed]
-        threads = [threads_per_rank(self.cfg, v) if v.in_process else None for v, _ in timed]
+        threads = self._own_threads([v for v, _ in timed])
         outs = lockstep_breakdowns(engines, layers, self.cfg, self.vocab, threads)
         for (_, run), out in zip(timed, outs, strict=True):
             run["breakdown"] = out
+
+    def _own_threads(self, rows: list[Variant]) -> list[int | None]:
+        """tp 1 engines (and ranks alone) run in this process, whose thread count they
+        share: each row's own, given before each of its steps (None: ranks elsewhere)."""
+        return [threads_per_rank(self.cfg, v) if v.in_process else None for v in rows]
 
     def row(self, v: Variant, runs: list[dict[str, Any]]) -> dict[str, Any]:
         row = report_row(v, runs, self.engine(v), self.specs[v.engine], self.cfg)
