@@ -7,9 +7,10 @@ lie in random order among blocks of noise.
 fp32 only; tolerance 1e-4 of the output's scale (the scores sum in another order, and
 the softmax is the kernel's). Over hypothesis shapes: up to cpu-135m's head_dim and KV
 heads, query groups of 1-3, ranks that copy none, some or all key columns, r_v below
-and past the vector width, a bias on v or none, sequences that end inside a block and
-inside a tile of tokens, one or two threads; and the source built for narrower vector
-units than this CPU's."""
+and past the vector width, U_v dense or zero outside a range of rows per KV head (whole
+heads as in the copy basis, random ranges, empty ones), a bias on v or none, sequences
+that end inside a block and inside a tile of tokens, one or two threads; and the source
+built for narrower vector units than this CPU's."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ TOL = 1e-4
 BLOCK = 4
 
 
-def _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias) -> None:
-    native = _factors(kv, d, r_k, style, copy_ranks, True, r_v, bias)
-    plain = _factors(kv, d, r_k, style, copy_ranks, False, r_v, bias)
+def _attention_matches(
+    lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias, v_rows="dense"
+) -> None:
+    native = _factors(kv, d, r_k, style, copy_ranks, True, r_v, bias, v_rows)
+    plain = _factors(kv, d, r_k, style, copy_ranks, False, r_v, bias, v_rows)
     assert native.native_scores is not None, "the native kernel did not build or take it"
     g = torch.Generator().manual_seed(sum(lengths) + r_v)
     tables, used = [], 0
@@ -74,18 +77,21 @@ def _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias)
     style=st.sampled_from(["neox", "gptj"]),
     copy_ranks=st.sampled_from([None, 1, 2]),
     bias=st.booleans(),
+    v_rows=st.sampled_from(["dense", "heads", "ranges"]),
     threads=st.sampled_from([1, 2]),
 )
-# cpu-135m's layer at 40% (116 of 192 key columns copied, 76 rebuilt; r_v 116)
-@example([7, 23, 1, 16], 3, 3, 64, 116, 116, "neox", 1, False, 2)
+# cpu-135m's layer at 40% (116 of 192 key columns copied, 76 rebuilt; r_v 116) and at
+# full rank (every key and value column copied: each KV head mixes its own 64 of z_v)
+@example([7, 23, 1, 16], 3, 3, 64, 116, 116, "neox", 1, False, "dense", 2)
+@example([7, 23, 1, 16], 3, 3, 64, 192, 192, "neox", 1, False, "heads", 2)
 def test_the_native_attention_equals_the_write_and_torch_s_form(
-    lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias, threads
+    lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias, v_rows, threads
 ):
     r_k = min(r_k, kv * d * (copy_ranks or 1))  # no more latent columns than keys
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias)
+        _attention_matches(lengths, kv, group, d, r_k, r_v, style, copy_ranks, bias, v_rows)
     finally:
         torch.set_num_threads(before)
 
@@ -104,7 +110,9 @@ def test_narrower_builds_attend_the_same(tmp_path: Path, monkeypatch, flags, wid
         ([6, 2], 1, 12, 10, 5, 1),  # head_dim past whole vectors
     ]:
         for group in (2, 3):  # whole and partial register tiles of a KV head's heads
-            _attention_matches(lengths, kv, group, d, r_k, r_v, "neox", copy_ranks, True)
+            for v_rows in ("dense", "ranges"):
+                args = (lengths, kv, group, d, r_k, r_v, "neox", copy_ranks, True, v_rows)
+                _attention_matches(*args)
 
 
 def test_the_native_attention_refuses_what_it_would_misread():

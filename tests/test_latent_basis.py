@@ -1,7 +1,9 @@
-"""k's factors in the copy basis (``runtime.model.latent_basis``): the same product, U_k's
-chosen columns the identity, whole RoPE pairs, each rank's copies one contiguous range of
-the latent that decode finds (``eager_attention.latent_layout``), and a model served with
-a latent cache from them gives the same tokens as with a dense one."""
+"""k's and v's factors in their copy bases (``runtime.model.latent_basis``): the same
+product; U_k's chosen columns the identity, whole RoPE pairs, each rank's copies one
+contiguous range of the latent that decode finds (``eager_attention.latent_layout``);
+U_v's whole KV heads the identity, taken in turn from the ranks, so that their query
+heads mix only their own head_dim latent columns (``latent_scores.value_rows``). A model
+served with a latent cache from them gives transformers' tokens (``test_engine``)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ from hypothesis import strategies as st
 from dsl import build_plan, load_spec
 from dsl.sharding import COLS
 from runtime.kernels.eager import rope_pair_order
+from runtime.kernels.latent_scores import value_rows
 from runtime.model.eager_attention import latent_layout
 from runtime.model.latent_basis import (
     MAX_ENTRY,
     CopyBasisSource,
     basis_columns,
     copy_basis,
+    in_basis,
     rank_pairs,
+    value_columns,
 )
 from runtime.model.shard import DictSource
 
@@ -90,12 +95,13 @@ def test_no_basis_where_it_cannot_help():
     assert copy_basis(down, low, ((0, 8),), 4, "neox") is None
 
 
-def test_copy_basis_source_changes_only_k(repo):
-    """The source hands out k's factors in the copy basis, each rank's heads a group,
-    sliced as asked; every other tensor as stored."""
+def test_copy_basis_source_changes_only_k_and_v(repo):
+    """The source hands out k's and v's factors in their copy bases, each rank's heads a
+    group, sliced as asked; every other tensor as stored."""
     spec = load_spec(repo / "specs" / "tiny-llama.yaml")  # tp 2, 2 KV heads of 16, r_k 13
     lp = build_plan(spec, modes=("deinfer",)).modes["deinfer"].layer_plans[0]
     full = {"k.v": randn(64, 13, seed=9), "k.u": randn(13, 32, seed=10)}
+    full |= {"v.v": randn(64, 17, seed=12), "v.u": randn(17, 32, seed=13)}
     full["q.u"] = randn(27, 64, seed=11)
     source = CopyBasisSource(DictSource(full), lp, spec.model.head_dim, "neox")
     d, u = source.factor("k.v", "", 0, 0), source.factor("k.u", "", 0, 0)
@@ -108,3 +114,46 @@ def test_copy_basis_source_changes_only_k(repo):
         (0, 6),
         (6, 6),
     ]
+    # v: rank 0's head whole (the identity at latent columns 0..15), one more column
+    dv, uv = source.factor("v.v", "", 0, 0), source.factor("v.u", "", 0, 0)
+    assert torch.allclose(dv @ uv, full["v.v"] @ full["v.u"], atol=1e-4)
+    assert torch.equal(uv[:, :16], torch.eye(17)[:, :16])
+    assert value_rows(uv.view(17, 2, 16).transpose(0, 1)).tolist() == [[0, 16], [0, 17]]
+    narrow = {"v.v": randn(64, 11, seed=12), "v.u": randn(11, 32, seed=13)}  # r_v < head_dim
+    source = CopyBasisSource(DictSource(full | narrow), lp, spec.model.head_dim, "neox")
+    assert torch.equal(source.factor("v.u", "", 0, 0), narrow["v.u"])
+
+
+@given(
+    st.integers(1, 40),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from([4, 8]),
+)
+@example(116, 1, 3, 64)  # cpu-135m at 40 %: one head whole, the others mix all 116
+@example(192, 1, 3, 64)  # full rank: every head its own 64 columns
+def test_value_basis_keeps_the_product_and_makes_whole_heads_their_own(rank, ranks, heads, d):
+    out = ranks * heads * d
+    rank = min(rank, out)
+    groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
+    down, up = randn(11, rank, seed=3), randn(rank, out, seed=4)
+    columns = value_columns(up, groups, d)
+    if rank < d:
+        assert columns is None  # no head would be whole: the factors stay as stored
+        return
+    assert columns is not None
+    basis = in_basis(down, up, columns)
+    if basis is None:  # refused only for the documented reason
+        assert torch.linalg.solve(up.double()[:, columns], up.double()).abs().max() > MAX_ENTRY
+        return
+    new_down, new_up = basis
+    product = down.double() @ up.double()
+    scale = product.abs().max().item()
+    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5 * scale)
+    # whole heads in turn from the ranks (rank 0's first head, rank 1's first, ...)
+    turns = [g * heads + h for h in range(heads) for g in range(ranks)]
+    whole = turns[: rank // d]
+    rows = value_rows(new_up.view(rank, ranks * heads, d).transpose(0, 1)).tolist()
+    for i, head in enumerate(whole):
+        assert rows[head] == [i * d, d]
+        assert torch.equal(new_up[i * d : (i + 1) * d, head * d : (head + 1) * d], torch.eye(d))

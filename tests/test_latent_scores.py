@@ -37,6 +37,7 @@ def _factors(
     native: bool,
     r_v: int = 3,
     bias_v: bool = False,
+    v_rows: str = "dense",
 ) -> LatentFactors:
     u_k, _ = up_in_copy_basis(r_k, kv, d, style, copy_ranks)
     return LatentFactors(
@@ -44,7 +45,7 @@ def _factors(
         kv_heads=kv,
         head_dim=d,
         u_k=u_k,
-        u_v=randn(r_v, kv * d, seed=15),
+        u_v=value_up(r_v, kv, d, v_rows),
         bias_k=None,
         bias_v=randn(kv * d, seed=16) if bias_v else None,
         k_norm=None,
@@ -53,6 +54,24 @@ def _factors(
         inv_freq=1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
         native=native,
     )
+
+
+def value_up(r_v: int, kv: int, d: int, rows: str) -> torch.Tensor:
+    """U_v [r_v, kv · d]: ``dense``; ``heads``: KV head g's columns zero outside rows
+    [g·r_v/kv, (g+1)·r_v/kv) (as in the copy basis, where a head's rows are its own
+    latent columns); ``ranges``: zero outside a random range of rows per head, some of
+    them empty or shorter than a vector."""
+    u = randn(r_v, kv * d, seed=15)
+    g = torch.Generator().manual_seed(r_v * 31 + kv)
+    for head in range(kv if rows != "dense" else 0):
+        if rows == "heads":
+            first, end = head * r_v // kv, (head + 1) * r_v // kv
+        else:
+            first = int(torch.randint(0, r_v + 1, (1,), generator=g))
+            end = int(torch.randint(first, r_v + 1, (1,), generator=g))
+        u[:first, head * d : (head + 1) * d] = 0
+        u[end:, head * d : (head + 1) * d] = 0
+    return u
 
 
 def _case(lengths: list[int], kv: int, group: int, d: int, r_k: int):
@@ -230,3 +249,15 @@ def test_turned_off_there_is_no_native_form(monkeypatch):
         monkeypatch.undo()
         latent_scores.latent_scores_library.cache_clear()
     assert latent_scores.latent_scores_library() is not None
+
+
+def test_value_rows_are_each_heads_span_of_rows_not_zero():
+    """(first, count) per KV head of U_v [kv_heads, r_v, d]: from the first row that is
+    not all zero to the last, zero rows inside kept; (0, 0) for an all-zero head."""
+    u_v = torch.zeros(3, 10, 4)
+    u_v[0, 2:5] = 1.0
+    u_v[0, 7, 3] = -2.0  # a zero row (5, 6) inside the span
+    u_v[1] = 1.0
+    got = latent_scores.value_rows(u_v)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[2, 6], [0, 10], [0, 0]]

@@ -25,7 +25,10 @@ class LatentLayer:
     and checked once (``LatentScoresLibrary.layer``): the keys are z_k's columns
     ``copied`` (first, count), then row[:r_k] · u_rest [r_k, upad]; each key column's dim
     and KV head (int64 [width]); U_v per KV head [kv_heads, r_v, d] and its bias
-    [kv_heads · d] or None; ``wpad``: the key columns padded (the RoPE tables' width)."""
+    [kv_heads · d] or None; ``wpad``: the key columns padded (the RoPE tables' width);
+    ``value_rows`` (int64 [kv_heads, 2]): per KV head (first, count), the rows of its U_v
+    that are not zero, hence the only z_v columns its query heads mix (one whole head's
+    in the copy basis of ``runtime.model.latent_basis``: a third of r_v at full rank)."""
 
     r_k: int
     copied: tuple[int, int]
@@ -35,6 +38,7 @@ class LatentLayer:
     u_v: torch.Tensor
     bias_v: torch.Tensor | None
     wpad: int
+    value_rows: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ class LatentScoresLibrary:
         out = torch.empty(batch, heads, r_v, dtype=torch.float32)
         failed = self.lib.latent_values(
             probs.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), slots.data_ptr(),
-            batch, length, lengths.data_ptr(), r_k, r_v, heads, out.data_ptr(),
+            batch, length, lengths.data_ptr(), r_k, r_v, heads, None, 0, out.data_ptr(),
         )  # fmt: skip
         _check("latent values", {"slots within the cache's rows": not failed})
         return out
@@ -155,7 +159,8 @@ class LatentScoresLibrary:
         _check("latent attention", checks)
         tensors = (u_rest, dims, heads, u_v) + (() if bias_v is None else (bias_v,))
         u_rest, dims, heads, u_v, *bias = (t.contiguous() for t in tensors)
-        return LatentLayer(r_k, copied, u_rest, dims, heads, u_v, bias[0] if bias else None, wpad)
+        bias_v = bias[0] if bias else None
+        return LatentLayer(r_k, copied, u_rest, dims, heads, u_v, bias_v, wpad, value_rows(u_v))
 
     def attention(
         self,
@@ -188,13 +193,24 @@ class LatentScoresLibrary:
             latents.data_ptr(), latents.stride(0), new_slots.data_ptr(), slots.data_ptr(),
             batch, length, lengths.data_ptr(), layer.r_k, r_v, first, copies,
             layer.u_rest.data_ptr(), layer.u_rest.shape[1], cos.data_ptr(), sin.data_ptr(),
-            layer.wpad, kv_heads, layer.u_v.data_ptr(),
+            layer.wpad, kv_heads, layer.u_v.data_ptr(), layer.value_rows.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if failed == -2:
             raise MemoryError("latent attention: no scratch memory")
         _check("latent attention", {"slots within the cache's rows": not failed})
         return out
+
+
+def value_rows(u_v: torch.Tensor) -> torch.Tensor:
+    """Per KV head of u_v [kv_heads, r_v, d]: (first, count) of the rows from its first
+    row that is not all zero to its last (0, 0 where all are zero), int64 [kv_heads, 2]."""
+    live = (u_v != 0).any(-1)  # [kv_heads, r_v]
+    index = torch.arange(u_v.shape[1])
+    first = torch.where(live, index, u_v.shape[1]).amin(-1)
+    end = torch.where(live, index + 1, 0).amax(-1)
+    first = torch.minimum(first, end)
+    return torch.stack([first, end - first], -1).contiguous()
 
 
 def _fits(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> bool:
@@ -285,10 +301,11 @@ def _configured(lib: ctypes.CDLL) -> LatentScoresLibrary:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.latent_scores.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
     lib.latent_scores.argtypes += [i64, ptr, ptr, ptr, i64, i64, ptr]
-    lib.latent_values.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.latent_values.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64]
+    lib.latent_values.argtypes += [ptr, i64, ptr]
     lib.latent_attention.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, i64, ptr, i64, i64]
     lib.latent_attention.argtypes += [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
-    lib.latent_attention.argtypes += [i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.latent_attention.argtypes += [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
     lib.latent_scores.restype = lib.latent_values.restype = ctypes.c_int
     lib.latent_attention.restype = ctypes.c_int
     return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()))

@@ -16,9 +16,20 @@ The copied columns are chosen so that the decode path can use them as they are:
   copies are one contiguous range (``eager_attention.LatentFactors`` finds it);
 - greedily by volume (pivoted Gram–Schmidt on pairs), so that S is well conditioned. A
   U_k that S would make ill conditioned keeps its factors.
+
+v's factors take a copy basis too, for another reason: decode never rebuilds the
+values (softmax·z_v is multiplied by U_v per KV head, ``eager_attention``), but each
+query head mixes every latent column its KV head's U_v rows reach. With S = whole KV
+heads' columns of U_v (in turn from each rank's heads, while one fits; then the
+columns least in the span of those, as many as r needs), such a head's U_v rows are its
+own head_dim latent columns and the identity: its query heads mix head_dim columns of
+z_v instead of r_v (``latent_scores.value_rows``), and at full rank every head does, as
+with a dense cache (cpu-135m: 64 of 192).
 """
 
 from __future__ import annotations
+
+from itertools import chain, zip_longest
 
 import torch
 
@@ -140,38 +151,89 @@ def copy_basis(
     module); None where there is no such basis (r > out, U_k of lower rank, entries
     of S⁻¹·U_k over ``MAX_ENTRY``): the factors stay as they are."""
     columns = basis_columns(u, groups, head_dim, rope_style)
-    if columns is None:
-        return None
+    return None if columns is None else in_basis(d, u, columns)
+
+
+def in_basis(
+    d: torch.Tensor, u: torch.Tensor, columns: list[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(D·S, S⁻¹·U) with S = u's ``columns`` (S⁻¹·U's there set to the identity
+    exactly); None where S⁻¹·U has an entry over ``MAX_ENTRY`` (or S is singular)."""
     u64 = u.double()
     r = u.shape[0]
     s = u64[:, columns]
-    u_new = torch.linalg.solve(s, u64)
-    if not bool(u_new.abs().max() <= MAX_ENTRY):  # NaN too
+    u_new, info = torch.linalg.solve_ex(s, u64)
+    if int(info) or not bool(u_new.abs().max() <= MAX_ENTRY):  # NaN too
         return None
     u_new[:, columns] = torch.eye(r, dtype=torch.float64)
     return (d.double() @ s).to(d.dtype), u_new.to(u.dtype)
 
 
+def value_columns(
+    u: torch.Tensor, groups: tuple[tuple[int, int], ...], head_dim: int
+) -> list[int] | None:
+    """The r columns of U_v [r, out] that v's S is made of: whole KV heads (each head's
+    columns in order), a head from each group (rank) in turn while one more fits, then
+    the r − taken columns left, each the one least in the span of those before (pivoted
+    Gram–Schmidt, the residuals updated from one product per column as in ``_choose``);
+    None where no head fits whole (r < head_dim), r > out, or U_v's columns do not span
+    r dimensions."""
+    r, out = u.shape
+    if r > out or r < head_dim:
+        return None
+    starts = [range(lo, hi - head_dim + 1, head_dim) for lo, hi in groups]
+    turns = [h for h in chain.from_iterable(zip_longest(*starts)) if h is not None]
+    heads = turns[: r // head_dim]
+    columns = [c for h in heads for c in range(h, h + head_dim)]
+    u64 = u.double()
+    q, tri = torch.linalg.qr(u64[:, columns])
+    scale = float((u64 * u64).sum(0).max())
+    if bool((tri.diagonal().abs() <= 1e-10 * scale**0.5).any()):
+        return None
+    norms = (u64 * u64).sum(0) - ((q.t() @ u64) ** 2).sum(0)  # residuals' squared norms
+    while len(columns) < r:
+        norms[columns] = -1.0
+        best = int(norms.argmax())
+        if norms[best] <= 1e-20 * scale:
+            return None
+        v = u64[:, best]
+        for _ in range(2):  # Gram–Schmidt twice keeps q orthonormal in float64
+            v = v - q @ (q.t() @ v)
+        v = v / v.norm()
+        q = torch.cat([q, v[:, None]], 1)
+        norms -= (v @ u64) ** 2
+        columns.append(best)
+    return columns
+
+
 class CopyBasisSource:
-    """A ``FactorSource`` that hands out k's factors in the copy basis (where one
-    exists) and every other tensor as ``source`` has it."""
+    """A ``FactorSource`` that hands out k's and v's factors in their copy bases (where
+    one exists) and every other tensor as ``source`` has it."""
 
     def __init__(
         self, source: FactorSource, plan: LayerPlan, head_dim: int, rope_style: str
     ) -> None:
         self.source = source
-        d, u = source.factor("k.v", "", 0, 0), source.factor("k.u", "", 0, 0)
-        # ranks that share heads (fewer KV heads than ranks) share a group
-        groups = tuple(dict.fromkeys(plan.factor("k.u").ranges))
-        if any(stop > u.shape[1] or (stop - start) % head_dim for start, stop in groups):
-            groups = ((0, u.shape[1]),)
-        basis = copy_basis(d, u, groups, head_dim, rope_style)
-        self.k = None if basis is None else DictSource({"k.v": basis[0], "k.u": basis[1]})
+        changed: dict[str, torch.Tensor] = {}
+        for name in ("k", "v"):
+            d, u = source.factor(f"{name}.v", "", 0, 0), source.factor(f"{name}.u", "", 0, 0)
+            # ranks that share heads (fewer KV heads than ranks) share a group
+            groups = tuple(dict.fromkeys(plan.factor(f"{name}.u").ranges))
+            if any(stop > u.shape[1] or (stop - start) % head_dim for start, stop in groups):
+                groups = ((0, u.shape[1]),)
+            if name == "k":
+                basis = copy_basis(d, u, groups, head_dim, rope_style)
+            else:
+                columns = value_columns(u, groups, head_dim)
+                basis = None if columns is None else in_basis(d, u, columns)
+            if basis is not None:
+                changed |= {f"{name}.v": basis[0], f"{name}.u": basis[1]}
+        self.changed = DictSource(changed)
 
     def factor(self, tensor: str, split: str, start: int, stop: int) -> torch.Tensor:
-        if self.k is None or tensor not in ("k.v", "k.u"):
+        if tensor not in self.changed.full:
             return self.source.factor(tensor, split, start, stop)
-        return self.k.factor(tensor, split, start, stop)
+        return self.changed.factor(tensor, split, start, stop)
 
 
 def latent_layout(

@@ -70,8 +70,8 @@ def load_rank_weights(
     allow_extreme: bool = False,
 ) -> ModelWeights:
     """Validate the checkpoint against ``spec`` and read rank ``rank``'s slices; the
-    layers whose cache is latent under ``kv_cache`` get k's factors in the copy basis
-    (``runtime.model.latent_basis``, where decode can use it), on every path, so that
+    layers whose cache is latent under ``kv_cache`` get k's and v's factors in their copy
+    bases (``runtime.model.latent_basis``, where decode can use them), on every path, so that
     every path caches the same. ``allow_extreme``: absurd weight magnitudes are a
     warning, not an error (``CheckpointReader``)."""
     reader = CheckpointReader(folder, allow_extreme)
