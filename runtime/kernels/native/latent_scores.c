@@ -172,6 +172,34 @@ static void live_vectors(const float *queries, int64_t first, int64_t count, int
   }
 }
 
+#if VEC == 8 && TOK == 6
+/* c's lanes where bit s of the lane is 0: a's lanes i + (i + s); where it is 1: b's */
+#define FOLD(a, b, m1, m2) (__builtin_shuffle(a, b, (vec_int)m1) + __builtin_shuffle(a, b, (vec_int)m2))
+#define FOLD4(a, b) FOLD(a, b, ((vec_int){0, 1, 2, 3, 8, 9, 10, 11}), ((vec_int){4, 5, 6, 7, 12, 13, 14, 15}))
+#define FOLD2(a, b) FOLD(a, b, ((vec_int){0, 1, 8, 9, 4, 5, 12, 13}), ((vec_int){2, 3, 10, 11, 6, 7, 14, 15}))
+#define FOLD1(a, b) FOLD(a, b, ((vec_int){0, 8, 2, 10, 4, 12, 6, 14}), ((vec_int){1, 9, 3, 11, 5, 13, 7, 15}))
+/* out[t] = the sum of sum[t]'s lanes, t < tokens: the six vectors folded pairwise into
+ * one (lane t after three folds sums input t's lanes when inputs go in bit-reversed
+ * order: 0, 4, 2, 6, 1, 5, 3, 7). Summing each vector's lanes in turn instead was
+ * 1.03-1.04x this time for the layer's latent_attention (30 layers, cpu-135m's shapes at
+ * 40 % and full rank, batch 8, context 256, two threads, AMD EPYC VM, Zen 3; the two
+ * builds' calls alternated, medians of 30 passes, three runs). */
+static inline void tile_sums(const vec_t sum[TOK], float *out, int tokens) {
+  const vec_t zero = {0};
+  vec_t all = FOLD1(FOLD2(FOLD4(sum[0], sum[4]), FOLD4(sum[2], zero)),
+                    FOLD2(FOLD4(sum[1], sum[5]), FOLD4(sum[3], zero)));
+  for (int t = 0; t < tokens; t++) out[t] = all[t];
+}
+#else
+static inline void tile_sums(const vec_t sum[TOK], float *out, int tokens) {
+  for (int t = 0; t < tokens; t++) {
+    float total = 0;
+    for (int i = 0; i < VEC; i++) total += sum[t][i];
+    out[t] = total;
+  }
+}
+#endif
+
 /* Sequence b's scores for tokens TOK * tile .. (see latent_scores): the tile's keys
  * rebuilt, rotated and scored while they are in L1. */
 static void score_tile(const keys_t *a, int64_t b, int64_t tile) {
@@ -217,11 +245,7 @@ static void score_tile(const keys_t *a, int64_t b, int64_t tile) {
 #pragma GCC unroll 8
         for (int t = 0; t < TOK; t++) sum[t] += qv * load(keys[t] + j);
       }
-      for (int t = 0; t < tokens; t++) {
-        float total = 0;
-        for (int i = 0; i < VEC; i++) total += sum[t][i];
-        out[t] = total;
-      }
+      tile_sums(sum, out, tokens);
     }
     for (int64_t t = tokens; t < span; t++) out[t] = -INFINITY;
   }
