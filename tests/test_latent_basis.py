@@ -32,6 +32,23 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _factors(rank, ranks, heads, d, seed):
+    """rank (at most the columns), the rank groups' column ranges, random D [11, rank] and
+    U [rank, ranks · heads · d]"""
+    out = ranks * heads * d
+    rank = min(rank, out)
+    groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
+    return rank, groups, randn(11, rank, seed=seed), randn(rank, out, seed=seed + 1)
+
+
+def _assert_same_product(new_down, new_up, down, up):
+    # fp32 factors: within 1e-5 of the product's scale (the worst over the whole strategy
+    # space of the k basis: 2.9e-6, rank 28 of 48 columns, entries of S⁻¹·U_k up to 41)
+    product = down.double() @ up.double()
+    scale = product.abs().max().item()
+    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5 * scale)
+
+
 @given(
     st.integers(2, 40),
     st.integers(1, 4),
@@ -42,10 +59,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 @example(28, 4, 3, 4, "neox")  # the largest rounding (CI's hypothesis found it)
 @example(8, 3, 1, 4, "neox")  # refused: an entry of S⁻¹·U_k over MAX_ENTRY
 def test_copy_basis_keeps_the_product_and_copies_whole_pairs(rank, ranks, heads, d, style):
-    out = ranks * heads * d
-    rank = min(rank, out)
-    groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
-    down, up = randn(11, rank, seed=1), randn(rank, out, seed=2)
+    rank, groups, down, up = _factors(rank, ranks, heads, d, seed=1)
     basis = copy_basis(down, up, groups, d, style)
     if basis is None:  # refused only for the documented reason: S⁻¹·U_k's entries too
         columns = basis_columns(up, groups, d, style)  # large (e.g. rank 8 of 12 columns
@@ -53,11 +67,7 @@ def test_copy_basis_keeps_the_product_and_copies_whole_pairs(rank, ranks, heads,
         assert torch.linalg.solve(up.double()[:, columns], up.double()).abs().max() > MAX_ENTRY
         return
     new_down, new_up = basis
-    product = down.double() @ up.double()
-    # fp32 factors: within 1e-5 of the product's scale (the worst over the whole strategy
-    # space: 2.9e-6, rank 28 of 48 columns, entries of S⁻¹·U_k up to 41)
-    scale = product.abs().max().item()
-    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5 * scale)
+    _assert_same_product(new_down, new_up, down, up)
     assert new_up.abs().max() <= MAX_ENTRY
     pairs = [p for group in rank_pairs(groups, d, style) for p in group]
     unit = ((new_up != 0).sum(0) == 1) & (new_up.amax(0) == 1)
@@ -133,10 +143,7 @@ def test_copy_basis_source_changes_only_k_and_v(repo):
 @example(116, 1, 3, 64)  # cpu-135m at 40 %: one head whole, the others mix all 116
 @example(192, 1, 3, 64)  # full rank: every head its own 64 columns
 def test_value_basis_keeps_the_product_and_makes_whole_heads_their_own(rank, ranks, heads, d):
-    out = ranks * heads * d
-    rank = min(rank, out)
-    groups = tuple((i * heads * d, (i + 1) * heads * d) for i in range(ranks))
-    down, up = randn(11, rank, seed=3), randn(rank, out, seed=4)
+    rank, groups, down, up = _factors(rank, ranks, heads, d, seed=3)
     columns = value_columns(up, groups, d)
     if rank < d:
         assert columns is None  # no head would be whole: the factors stay as stored
@@ -147,9 +154,7 @@ def test_value_basis_keeps_the_product_and_makes_whole_heads_their_own(rank, ran
         assert torch.linalg.solve(up.double()[:, columns], up.double()).abs().max() > MAX_ENTRY
         return
     new_down, new_up = basis
-    product = down.double() @ up.double()
-    scale = product.abs().max().item()
-    assert torch.allclose(new_down.double() @ new_up.double(), product, atol=1e-5 * scale)
+    _assert_same_product(new_down, new_up, down, up)
     # whole heads in turn from the ranks (rank 0's first head, rank 1's first, ...)
     turns = [g * heads + h for h in range(heads) for g in range(ranks)]
     whole = turns[: rank // d]
