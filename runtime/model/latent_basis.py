@@ -131,13 +131,7 @@ def basis_columns(
     if taken is None:
         return None
     columns = [c for g, chosen in enumerate(taken) for i in sorted(chosen) for c in pairs[g][i]]
-    if r % 2:  # one more column, the one least in the span of the others
-        q, _ = torch.linalg.qr(u64[:, columns])
-        rest = u64 - q @ (q.t() @ u64)
-        norms = (rest * rest).sum(0)
-        norms[columns] = -1.0
-        columns.append(int(norms.argmax()))
-    return columns
+    return _extended(u64, columns, r)  # for odd r one more, least in the span of the others
 
 
 def copy_basis(
@@ -174,23 +168,27 @@ def value_columns(
 ) -> list[int] | None:
     """The r columns of U_v [r, out] that v's S is made of: whole KV heads (each head's
     columns in order), a head from each group (rank) in turn while one more fits, then
-    the r − taken columns left, each the one least in the span of those before (pivoted
-    Gram–Schmidt, the residuals updated from one product per column as in ``_choose``);
-    None where no head fits whole (r < head_dim), r > out, or U_v's columns do not span
-    r dimensions."""
+    the r − taken columns left (``_extended``); None where no head fits whole (r <
+    head_dim), r > out, or U_v's columns do not span r dimensions."""
     r, out = u.shape
     if r > out or r < head_dim:
         return None
     starts = [range(lo, hi - head_dim + 1, head_dim) for lo, hi in groups]
     turns = [h for h in chain.from_iterable(zip_longest(*starts)) if h is not None]
     heads = turns[: r // head_dim]
-    columns = [c for h in heads for c in range(h, h + head_dim)]
-    u64 = u.double()
+    return _extended(u.double(), [c for h in heads for c in range(h, h + head_dim)], r)
+
+
+def _extended(u64: torch.Tensor, columns: list[int], r: int) -> list[int] | None:
+    """``columns`` of u64 [r, out] and r − len(columns) more, each the one least in the
+    span of those before it (pivoted Gram–Schmidt, the residuals' norms updated from one
+    product per column as in ``_choose``); None where they span fewer than r dimensions."""
     q, tri = torch.linalg.qr(u64[:, columns])
     scale = float((u64 * u64).sum(0).max())
     if bool((tri.diagonal().abs() <= 1e-10 * scale**0.5).any()):
         return None
     norms = (u64 * u64).sum(0) - ((q.t() @ u64) ** 2).sum(0)  # residuals' squared norms
+    columns = list(columns)
     while len(columns) < r:
         norms[columns] = -1.0
         best = int(norms.argmax())
@@ -214,18 +212,19 @@ class CopyBasisSource:
         self, source: FactorSource, plan: LayerPlan, head_dim: int, rope_style: str
     ) -> None:
         self.source = source
+        choose = {  # each projection's columns of S
+            "k": lambda u, groups: basis_columns(u, groups, head_dim, rope_style),
+            "v": lambda u, groups: value_columns(u, groups, head_dim),
+        }
         changed: dict[str, torch.Tensor] = {}
-        for name in ("k", "v"):
+        for name, columns_of in choose.items():
             d, u = source.factor(f"{name}.v", "", 0, 0), source.factor(f"{name}.u", "", 0, 0)
             # ranks that share heads (fewer KV heads than ranks) share a group
             groups = tuple(dict.fromkeys(plan.factor(f"{name}.u").ranges))
             if any(stop > u.shape[1] or (stop - start) % head_dim for start, stop in groups):
                 groups = ((0, u.shape[1]),)
-            if name == "k":
-                basis = copy_basis(d, u, groups, head_dim, rope_style)
-            else:
-                columns = value_columns(u, groups, head_dim)
-                basis = None if columns is None else in_basis(d, u, columns)
+            columns = columns_of(u, groups)
+            basis = None if columns is None else in_basis(d, u, columns)
             if basis is not None:
                 changed |= {f"{name}.v": basis[0], f"{name}.u": basis[1]}
         self.changed = DictSource(changed)
