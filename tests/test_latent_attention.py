@@ -26,6 +26,7 @@ from runtime.model.eager_attention import (
     cache_context,
     decode_latent,
     decode_latent_native,
+    latent_step,
 )
 from runtime.model.paged_cache import LayerCache
 from tests.conftest import assert_x86_vectors, narrower_builds
@@ -56,7 +57,7 @@ def _attention_matches(
     # the new latents as the layer hands them: columns of a wider gathered latent
     latent = torch.randn(len(lengths), r_k + r_v + 5, generator=g)[:, 2 : 2 + r_k + r_v]
     q = torch.randn(len(lengths), kv * group, d, generator=g)
-    got = decode_latent_native(q, latent, new_slots, ours, ctx, native, 0.125)
+    got = decode_latent_native(q, latent, latent_step(new_slots, ctx), ours, native, 0.125)
     assert got is not None
     theirs.write(new_slots, None, None, latent)
     want = decode_latent(q, theirs, ctx, plain, 0.125)
@@ -120,12 +121,15 @@ def test_the_native_attention_refuses_what_it_would_misread():
     ctx = cache_context([[0, 1], [2]], [5, 3], BLOCK, None, torch.device("cpu"))
     cache = LayerCache("latent", latent=torch.randn(4, BLOCK, 9))
     q, latent, new_slots = torch.randn(2, 4, 8), torch.randn(2, 9), torch.tensor([4, 10])
-    assert decode_latent_native(q, latent, new_slots, cache, ctx, f, 1.0).shape == (2, 4, 8)
-    assert decode_latent_native(q.double(), latent, new_slots, cache, ctx, f, 1.0) is None
-    assert decode_latent_native(q, None, new_slots, cache, ctx, f, 1.0) is None
+    step = latent_step(new_slots, ctx)
+    assert decode_latent_native(q, latent, step, cache, f, 1.0).shape == (2, 4, 8)
+    assert decode_latent_native(q.double(), latent, step, cache, f, 1.0) is None
+    assert decode_latent_native(q, None, step, cache, f, 1.0) is None
     with pytest.raises(ValueError, match="slots within the cache's rows"):
-        decode_latent_native(q, latent, torch.tensor([4, 16]), cache, ctx, f, 1.0)
+        decode_latent_native(q, latent, latent_step(torch.tensor([4, 16]), ctx), cache, f, 1.0)
     with pytest.raises(ValueError, match="new latents"):
-        decode_latent_native(q, latent[:, :8], new_slots, cache, ctx, f, 1.0)
+        decode_latent_native(q, latent[:, :8], step, cache, f, 1.0)
     with pytest.raises(ValueError, match="whole KV head groups"):
-        decode_latent_native(q[:, :3], latent, new_slots, cache, ctx, f, 1.0)
+        decode_latent_native(q[:, :3], latent, step, cache, f, 1.0)
+    with pytest.raises(ValueError, match="contiguous int64 slots"):
+        latent_step(new_slots.int(), ctx)  # the step's tokens are checked once, when made

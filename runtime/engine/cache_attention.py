@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from runtime.engine.step_io import Piece, SeqInput
+from runtime.kernels.latent_scores import LatentStep
 from runtime.model.eager_attention import (
     CacheContext,
     LatentFactors,
@@ -24,6 +25,7 @@ from runtime.model.eager_attention import (
     decode_latent,
     decode_latent_native,
     gather,
+    latent_step,
 )
 from runtime.model.execution import AttentionFn
 from runtime.model.paged_cache import DenseDecodeCache, LayerCache
@@ -102,6 +104,7 @@ class CacheAttention:
         ctx = self._context([s.block_table for s in seqs], [s.length for s in seqs])
 
         checked: list[bool] = []  # the slots' range, checked on first use
+        steps: list[LatentStep] = []  # the latent caches' tokens, made on first use
 
         def dense_cache(index: int) -> DenseDecodeCache | None:
             cache = self.caches[index]
@@ -122,8 +125,10 @@ class CacheAttention:
                 if out is not None:
                     return out
             if cache.kind == "latent":  # written and attended in one native call where it can
+                if not steps:
+                    steps.append(latent_step(slots, ctx))
                 f = self.latent_factors[index]
-                out = decode_latent_native(q, latent, slots, cache, ctx, f, self.scale)
+                out = decode_latent_native(q, latent, steps[0], cache, f, self.scale)
                 if out is not None:
                     return out
             cache.write(slots, k, v, latent)

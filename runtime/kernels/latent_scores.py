@@ -19,6 +19,33 @@ from runtime.kernels import native_build
 SOURCE = native_build.NATIVE / "latent_scores.c"
 
 
+class _LayerDescriptor(ctypes.Structure):
+    """``latent_layer_t`` of the C file."""
+
+    _fields_ = [
+        ("key_dims", ctypes.c_void_p),
+        ("key_heads", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("width", "r_k", "r_v", "copy_from", "copies")),
+        ("u", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("upad", "wpad", "kv_heads")),
+        ("u_v", ctypes.c_void_p),
+        ("value_rows", ctypes.c_void_p),
+        ("bias_v", ctypes.c_void_p),
+    ]
+
+
+class _StepDescriptor(ctypes.Structure):
+    """``latent_step_t`` of the C file."""
+
+    _fields_ = [
+        ("new_slots", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("batch", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+    ]
+
+
 @dataclass(frozen=True)
 class LatentLayer:
     """A layer's operands of ``latent_attention`` that stay from step to step, laid out
@@ -28,7 +55,8 @@ class LatentLayer:
     [kv_heads · d] or None; ``wpad``: the key columns padded (the RoPE tables' width);
     ``value_rows`` (int64 [kv_heads, 2]): per KV head (first, count), the rows of its U_v
     that are not zero, hence the only z_v columns its query heads mix (one whole head's
-    in the copy basis of ``runtime.model.latent_basis``: a third of r_v at full rank)."""
+    in the copy basis of ``runtime.model.latent_basis``: a third of r_v at full rank).
+    Holds the C descriptor (``address``), which points into these tensors."""
 
     r_k: int
     copied: tuple[int, int]
@@ -39,6 +67,45 @@ class LatentLayer:
     bias_v: torch.Tensor | None
     wpad: int
     value_rows: torch.Tensor
+
+    def __post_init__(self) -> None:
+        (first, copies), (kv_heads, r_v, _) = self.copied, self.u_v.shape
+        described = _LayerDescriptor(
+            self.dims.data_ptr(), self.heads.data_ptr(), self.dims.numel(), self.r_k, r_v,
+            first, copies, self.u_rest.data_ptr(), self.u_rest.shape[1], self.wpad, kv_heads,
+            self.u_v.data_ptr(), self.value_rows.data_ptr(),
+            None if self.bias_v is None else self.bias_v.data_ptr(),
+        )  # fmt: skip
+        object.__setattr__(self, "descriptor", described)
+        object.__setattr__(self, "address", ctypes.addressof(described))
+
+
+@dataclass(frozen=True)
+class LatentStep:
+    """A decode step's tokens as ``latent_attention`` reads them, the same in every
+    layer, checked once per step: sequence b's new latent goes to cache row
+    ``new_slots`` [B][b], its first ``lengths`` [B][b] tokens are at rows ``slots`` [B,
+    L][b] (int64). Holds the C descriptor (``address``); the slots' range is checked
+    against each layer's cache by the call."""
+
+    new_slots: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        (batch, length), index = self.slots.shape, (self.new_slots, self.slots, self.lengths)
+        checks = {
+            "contiguous int64 slots [B, L], new slots and lengths [B]": all(
+                t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
+                for t in index
+            )
+            and self.new_slots.shape == (batch,) == self.lengths.shape,
+        }
+        _check("latent attention", checks)
+        pointers = (t.data_ptr() for t in index)
+        described = _StepDescriptor(*pointers, batch, length)
+        object.__setattr__(self, "descriptor", described)
+        object.__setattr__(self, "address", ctypes.addressof(described))
 
 
 @dataclass(frozen=True)
@@ -165,36 +232,30 @@ class LatentScoresLibrary:
     def attention(
         self,
         q: torch.Tensor,
-        new: tuple[torch.Tensor, torch.Tensor],
+        latents: torch.Tensor,
         rows: torch.Tensor,
-        slots: torch.Tensor,
-        lengths: torch.Tensor,
         layer: LatentLayer,
+        step: LatentStep,
         tables: tuple[torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor:
-        """A latent layer's decode attention in one call: rows ``new`` = (latents [B, r_k +
-        r_v], slots [B]) written to the cache ``rows`` first; then queries q [B, H, d]
-        (RoPE applied) laid out as ``layer``'s keys, scaled, scored as ``scores`` scores
-        (``tables`` = cos, sin [≥ L, wpad], ``KeyAngles.tables``), softmax, · z_v as
-        ``values``, times each KV head's U_v -> [B, H, d]. Checked here: what changes
-        between calls (one boolean; the message only on failure)."""
-        (latents, new_slots), (cos, sin) = new, tables
-        (batch, length), heads, d = slots.shape, q.shape[-2], q.shape[-1]
-        kv_heads, r_v, (first, copies) = layer.u_v.shape[0], layer.u_v.shape[1], layer.copied
-        if not _fits(q, new, rows, slots, lengths, layer, tables):
-            _check("latent attention", _call_checks(q, new, rows, slots, lengths, layer, tables))
+        """A latent layer's decode attention in one call: ``latents`` [B, r_k + r_v] (row
+        b at ``step``'s new slot b) written to the cache ``rows`` first; then queries q
+        [B, H, d] (RoPE applied) laid out as ``layer``'s keys, scaled, scored as
+        ``scores`` scores (``tables`` = cos, sin [≥ L, wpad], ``KeyAngles.tables``) against
+        ``step``'s tokens, softmax, · z_v as ``values``, times each KV head's U_v -> [B,
+        H, d]. Checked here: what changes between calls (one boolean; the message only on
+        failure)."""
+        cos, sin = tables
+        batch, heads, d = q.shape
+        if not _fits(q, latents, rows, layer, step, tables):
+            _check("latent attention", _call_checks(q, latents, rows, layer, step, tables))
             raise ValueError("latent attention: operands it does not take")
         out = torch.empty(batch, heads, d, dtype=torch.float32)
-        bias = layer.bias_v
         failed = self.lib.latent_attention(
-            q.data_ptr(), heads, d, scale, layer.dims.data_ptr(), layer.heads.data_ptr(),
-            layer.dims.numel(), rows.data_ptr(), rows.shape[0], rows.stride(0),
-            latents.data_ptr(), latents.stride(0), new_slots.data_ptr(), slots.data_ptr(),
-            batch, length, lengths.data_ptr(), layer.r_k, r_v, first, copies,
-            layer.u_rest.data_ptr(), layer.u_rest.shape[1], cos.data_ptr(), sin.data_ptr(),
-            layer.wpad, kv_heads, layer.u_v.data_ptr(), layer.value_rows.data_ptr(),
-            None if bias is None else bias.data_ptr(), out.data_ptr(),
+            layer.address, step.address, q.data_ptr(), heads, d, scale, rows.data_ptr(),
+            rows.shape[0], rows.stride(0), latents.data_ptr(), latents.stride(0),
+            cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if failed == -2:
             raise MemoryError("latent attention: no scratch memory")
@@ -213,10 +274,9 @@ def value_rows(u_v: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, end - first], -1).contiguous()
 
 
-def _fits(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> bool:
+def _fits(q, latents, rows, layer: LatentLayer, step: LatentStep, tables) -> bool:
     """``attention``'s checks as one boolean (``_call_checks`` names them)."""
-    (latents, new_slots), (cos, sin) = new, tables
-    (batch, length), u_v = slots.shape, layer.u_v
+    (cos, sin), (batch, length), u_v = tables, step.slots.shape, layer.u_v
     return (
         q.dtype == latents.dtype == rows.dtype == cos.dtype == sin.dtype == torch.float32
         and q.dim() == 3
@@ -230,11 +290,6 @@ def _fits(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> bool:
         and rows.shape[1] == layer.r_k + u_v.shape[1]
         and rows.stride(1) == 1
         and rows.is_cpu
-        and new_slots.dtype == slots.dtype == lengths.dtype == torch.int64
-        and new_slots.shape == (batch,) == lengths.shape
-        and new_slots.is_contiguous()
-        and slots.is_contiguous()
-        and lengths.is_contiguous()
         and cos.shape == sin.shape
         and cos.shape[0] >= length
         and cos.shape[1] == layer.wpad
@@ -243,12 +298,10 @@ def _fits(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> bool:
     )
 
 
-def _call_checks(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> dict[str, bool]:
+def _call_checks(q, latents, rows, layer: LatentLayer, step: LatentStep, tables) -> dict:
     """``attention``'s checks by name, for its message."""
-    (latents, new_slots), (cos, sin) = new, tables
-    (batch, length), u_v = slots.shape, layer.u_v
+    (cos, sin), (batch, length), u_v = tables, step.slots.shape, layer.u_v
     fp32 = (q, latents, rows, cos, sin)
-    index = (new_slots, slots, lengths)
     return {
         "fp32 operands": all(t.dtype == torch.float32 for t in fp32),
         "contiguous q [B, H, d] with whole KV head groups": q.is_contiguous()
@@ -261,10 +314,6 @@ def _call_checks(q, new, rows, slots, lengths, layer: LatentLayer, tables) -> di
         and latents.stride(1) == 1,
         "cache rows of r_k + r_v": rows.dim() == 2 and rows.shape[-1] == layer.r_k + u_v.shape[1],
         "row-contiguous cache rows on the CPU": rows.stride(-1) == 1 and rows.is_cpu,
-        "contiguous int64 slots [B, L], new slots and lengths [B]": all(
-            t.dtype == torch.int64 and t.is_contiguous() for t in index
-        )
-        and new_slots.shape == (batch,) == lengths.shape,
         "contiguous tables [≥ L, wpad]": cos.shape == sin.shape
         and cos.shape[0] >= length
         and cos.shape[1] == layer.wpad
@@ -303,9 +352,8 @@ def _configured(lib: ctypes.CDLL) -> LatentScoresLibrary:
     lib.latent_scores.argtypes += [i64, ptr, ptr, ptr, i64, i64, ptr]
     lib.latent_values.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64]
     lib.latent_values.argtypes += [ptr, i64, ptr]
-    lib.latent_attention.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, i64, ptr, i64, i64]
-    lib.latent_attention.argtypes += [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
-    lib.latent_attention.argtypes += [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.latent_attention.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i64, i64]
+    lib.latent_attention.argtypes += [ptr, i64, ptr, ptr, ptr]
     lib.latent_scores.restype = lib.latent_values.restype = ctypes.c_int
     lib.latent_attention.restype = ctypes.c_int
     return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()))

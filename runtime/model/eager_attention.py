@@ -24,6 +24,7 @@ from runtime.kernels.eager import (
     rope_tables_of,
     rotate,
 )
+from runtime.kernels.latent_scores import LatentStep
 from runtime.model.key_angles import KeyAngles
 from runtime.model.latent_basis import copies_usable, latent_layout
 from runtime.model.native_key_scores import NativeKeyScores, native_key_scores
@@ -290,27 +291,31 @@ def decode_latent(
     return out.reshape(batch, heads, d)
 
 
+def latent_step(new_slots: torch.Tensor, ctx: CacheContext) -> LatentStep:
+    """A decode step's tokens as ``decode_latent_native`` reads them: the new latents'
+    slots [B] and the cached tokens ``ctx``; made once per step for every layer."""
+    return LatentStep(new_slots, ctx.slots, ctx.lengths)
+
+
 def decode_latent_native(
     q: torch.Tensor,
     latent: torch.Tensor | None,
-    new_slots: torch.Tensor,
+    step: LatentStep,
     cache: LayerCache,
-    ctx: CacheContext,
     f: LatentFactors,
     scale: float,
 ) -> torch.Tensor | None:
-    """``LayerCache.write`` of the rows' new latents [B, r_k + r_v] at ``new_slots`` and
-    ``decode_latent`` in one native call (``NativeKeyScores.attention``), or None where
-    the layer's scores are not native or the operands are not fp32 on the CPU. Against
-    the write and ``decode_latent`` (native scores and values between torch ops): a
-    latent decode step of cpu-135m (batch 8, context 256, two threads; AMD EPYC Zen 3)
-    0.96x and 0.95x at full rank and at 40 % (two runs each, medians of 60 pairs of steps
-    alternated in one engine)."""
+    """``LayerCache.write`` of the rows' new latents [B, r_k + r_v] at ``step``'s new
+    slots and ``decode_latent`` over its tokens in one native call
+    (``NativeKeyScores.attention``), or None where the layer's scores are not native or
+    the operands are not fp32 on the CPU. Against the write and ``decode_latent``
+    (native scores and values between torch ops): a latent decode step of cpu-135m
+    (batch 8, context 256, two threads; AMD EPYC Zen 3) 0.96x and 0.95x at full rank and
+    at 40 % (two runs each, medians of 60 pairs of steps alternated in one engine)."""
     native, rows = f.native_scores, cache.latent_rows
     if native is None or latent is None or not all(_fp32_cpu(t) for t in (q, rows, latent)):
         return None
-    tokens = (ctx.slots, ctx.lengths)
-    return native.attention(q.contiguous(), (latent, new_slots), rows, tokens, scale)
+    return native.attention(q.contiguous(), latent, rows, step, scale)
 
 
 def _fp32_cpu(t: torch.Tensor) -> bool:

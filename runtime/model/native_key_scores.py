@@ -9,7 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.latent_scores import LatentLayer, LatentScoresLibrary, latent_scores_library
+from runtime.kernels.latent_scores import (
+    LatentLayer,
+    LatentScoresLibrary,
+    LatentStep,
+    latent_scores_library,
+)
 from runtime.model.key_angles import KeyAngles
 
 
@@ -38,17 +43,16 @@ class NativeKeyScores:
     def attention(
         self,
         q: torch.Tensor,
-        new: tuple[torch.Tensor, torch.Tensor],
+        latents: torch.Tensor,
         rows: torch.Tensor,
-        ctx: tuple[torch.Tensor, torch.Tensor],
+        step: LatentStep,
         scale: float,
     ) -> torch.Tensor:
         """The layer's decode attention [B, H, d] in one call (``LatentScoresLibrary.
-        attention``): ``new`` (latents, slots) written to ``rows``, then queries q [B, H,
-        d] against the tokens at ``ctx`` = (slots [B, L], lengths [B])."""
-        slots, lengths = ctx
-        tables = self.angles.tables(slots.shape[1], self.layer.wpad)
-        return self.library.attention(q, new, rows, slots, lengths, self.layer, tables, scale)
+        attention``): ``latents`` [B, r_k + r_v] written to ``rows`` at ``step``'s new
+        slots, then queries q [B, H, d] against ``step``'s tokens."""
+        tables = self.angles.tables(step.slots.shape[1], self.layer.wpad)
+        return self.library.attention(q, latents, rows, self.layer, step, tables, scale)
 
     def values(
         self, probs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor

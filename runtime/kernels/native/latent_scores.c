@@ -321,35 +321,62 @@ static void softmax_row(float *row, int64_t n) {
   for (int64_t j = 0; j < n; j++) row[j] /= total;
 }
 
+/* A latent layer's operands of latent_attention that stay from step to step (the
+ * descriptor of runtime/kernels/latent_scores.py's LatentLayer, laid out and checked
+ * once): key column j is dim key_dims[j] of KV head key_heads[j] (width of them); the
+ * keys are z_k's columns copy_from .. + copies, then z_k . u [r_k][upad]; wpad: the
+ * columns padded (the RoPE tables' width); U_v per KV head u_v [kv_heads][r_v][d] and
+ * bias_v [kv_heads * d] (NULL: none); value_rows [kv_heads][2]: per KV head (first,
+ * count), the rows of its U_v that are not zero. */
+typedef struct {
+  const int64_t *key_dims, *key_heads;
+  int64_t width, r_k, r_v, copy_from, copies;
+  const float *u;
+  int64_t upad, wpad, kv_heads;
+  const float *u_v;
+  const int64_t *value_rows;
+  const float *bias_v;
+} latent_layer_t;
+
+/* A decode step's tokens, the same in every layer (LatentStep's descriptor): sequence
+ * b's new latent goes to cache row new_slots[b], its first lengths[b] (at most length)
+ * tokens are at rows slots[b * length ..]. */
+typedef struct {
+  const int64_t *new_slots, *slots, *lengths;
+  int64_t batch, length;
+} latent_step_t;
+
 /* A latent layer's decode attention in one call (the torch form: eager_attention's
  * decode_latent, with the cache write before it). Row b's new latent (r_k + r_v floats
- * at new_rows + b * ld_new) is written to cache row new_slots[b]; each query head of q
- * [batch][heads][d] (RoPE applied) is laid out as the keys are (key column j: dim
- * key_dims[j] of KV head key_heads[j]; the other KV heads' columns zero), scaled, and
- * scored (latent_scores); softmax over each sequence's tokens; probabilities . z_v
- * (latent_values, each KV head's query heads over its z_v columns value_rows[g] =
- * (first, count): the rows of its U_v that are not zero); each head's result times
- * those rows of its KV head's U_v (u_v [kv_heads][r_v][d]), plus bias_v [kv_heads * d]
- * (NULL: none) -> out [batch][heads][d]. Every step that torch took as its own op (a
- * gather of the query columns, a mask, a pad, the softmax, a batched product per KV
- * head) reads and writes this call's scratch instead. The steps run in one parallel
- * region, each shared out over its threads and followed by a barrier (five regions
- * before, each a fork and a join). Taking whole sequences per thread through every step
- * instead (no barriers, a sequence's latents still in L2 for its values) was no faster:
- * cpu-135m, batch 8, context 256, 30 layers, two threads, AMD EPYC VM (Zen 3, AVX2):
- * 15.67 / 15.69 against 15.55 / 15.68 ms at 40 %, 10.42 / 10.65 against 10.10 / 10.38 at
- * full rank (two runs, medians of 30 passes).
+ * at new_rows + b * ld_new) is written to cache row new_slots[b] of z [rows][ldz]; each
+ * query head of q [batch][heads][d] (RoPE applied) is laid out as the keys are (the
+ * other KV heads' columns zero), scaled, and scored (latent_scores, pairs rotated by
+ * cos, sin [length][wpad]); softmax over each sequence's tokens; probabilities . z_v
+ * (latent_values, each KV head's query heads over its z_v columns value_rows[g]); each
+ * head's result times those rows of its KV head's U_v, plus bias_v -> out
+ * [batch][heads][d]. Every step that torch took as its own op (a gather of the query
+ * columns, a mask, a pad, the softmax, a batched product per KV head) reads and writes
+ * this call's scratch instead. The operands that stay from call to call come as two
+ * descriptors, made once per layer and once per step: passed one by one (31 arguments,
+ * checked at every call), the latent step of cpu-135m at 40 % read 1.22-1.26x the
+ * dense-KV step, with them 1.18-1.21x (batch 8, context 240-268, two threads, AMD EPYC
+ * VM, Zen 3; medians of 28 step pairs, three runs of each, processes alternated).
+ * The steps run in one parallel region, each shared out over its threads and followed
+ * by a barrier (five regions before, each a fork and a join). Taking whole sequences
+ * per thread through every step instead (no barriers, a sequence's latents still in L2
+ * for its values) was no faster: cpu-135m, batch 8, context 256, 30 layers, two
+ * threads, AMD EPYC VM (Zen 3, AVX2): 15.67 / 15.69 against 15.55 / 15.68 ms at 40 %,
+ * 10.42 / 10.65 against 10.10 / 10.38 at full rank (two runs, medians of 30 passes).
  * Returns -1 (nothing written) where a slot is not below rows, -2 without scratch
  * memory (the new latents may be written), else 0. */
-int latent_attention(const float *q, int64_t heads, int64_t d, float scale,
-                     const int64_t *key_dims, const int64_t *key_heads, int64_t width,
-                     float *z, int64_t rows, int64_t ldz, const float *new_rows,
-                     int64_t ld_new, const int64_t *new_slots, const int64_t *slots,
-                     int64_t batch, int64_t length, const int64_t *lengths, int64_t r_k,
-                     int64_t r_v, int64_t copy_from, int64_t copies, const float *u,
-                     int64_t upad, const float *cos, const float *sin, int64_t wpad,
-                     int64_t kv_heads, const float *u_v, const int64_t *value_rows,
-                     const float *bias_v, float *out) {
+int latent_attention(const latent_layer_t *layer, const latent_step_t *step, const float *q,
+                     int64_t heads, int64_t d, float scale, float *z, int64_t rows, int64_t ldz,
+                     const float *new_rows, int64_t ld_new, const float *cos, const float *sin,
+                     float *out) {
+  const latent_layer_t *l = layer;
+  const int64_t *new_slots = step->new_slots, *slots = step->slots, *lengths = step->lengths;
+  int64_t batch = step->batch, length = step->length, r_k = l->r_k, r_v = l->r_v;
+  int64_t wpad = l->wpad, kv_heads = l->kv_heads;
   for (int64_t b = 0; b < batch; b++)
     if (new_slots[b] < 0 || new_slots[b] >= rows) return -1;
   if (!slots_in_range(slots, batch, length, lengths, rows)) return -1;
@@ -365,15 +392,16 @@ int latent_attention(const float *q, int64_t heads, int64_t d, float scale,
   float *scores = queries + units * wpad, *mixed = scores + units * length;
   for (int64_t b = 0; b < batch; b++) /* before any sequence reads the cache */
     memcpy(z + new_slots[b] * ldz, new_rows + b * ld_new, sizeof(float) * (size_t)(r_k + r_v));
-  keys_t k = {z, ldz, slots, length, lengths, r_k, copy_from, copies, u, upad,
+  keys_t k = {z, ldz, slots, length, lengths, r_k, l->copy_from, l->copies, l->u, l->upad,
               cos, sin, queries, heads, wpad, live, scores};
   values_t v = {scores, z + r_k, ldz, slots, length, lengths, r_v, heads,
-                value_rows, kv_heads, mixed};
+                l->value_rows, kv_heads, mixed};
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < units; unit++) {
-      lay_out_query(q, unit, heads, group, d, scale, key_dims, key_heads, width, wpad, queries);
+      lay_out_query(q, unit, heads, group, d, scale, l->key_dims, l->key_heads, l->width, wpad,
+                    queries);
       live_vectors(queries, unit, 1, wpad, live);
     }
 #pragma omp for schedule(static)
@@ -388,8 +416,8 @@ int latent_attention(const float *q, int64_t heads, int64_t d, float scale,
       values_span(&v, job / spans, job % spans * SPAN * VEC);
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < batch * kv_heads; job++)
-      heads_times_u_v(mixed, job / kv_heads, job % kv_heads, heads, kv_heads, r_v, d, u_v,
-                      value_rows, bias_v, out);
+      heads_times_u_v(mixed, job / kv_heads, job % kv_heads, heads, kv_heads, r_v, d, l->u_v,
+                      l->value_rows, l->bias_v, out);
   }
   free(queries);
   free(live);
