@@ -21,7 +21,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.kernels import latent_scores, native_build
+from runtime.kernels import eager, latent_scores, native_build
+from runtime.kernels.decode_block import Projection, decode_block_library
+from runtime.kernels.latent_operands import LatentStep
+from runtime.kernels.latent_scores import LatentAttention
 from runtime.model.eager_attention import (
     cache_context,
     decode_latent,
@@ -30,10 +33,26 @@ from runtime.model.eager_attention import (
 )
 from runtime.model.paged_cache import LayerCache
 from tests.conftest import assert_x86_vectors, narrower_builds
+from tests.test_decode_block import _panels
 from tests.test_latent_scores import _factors
 
 TOL = 1e-4
 BLOCK = 4
+
+
+def _paged(lengths: list[int], width: int, g: torch.Generator):
+    """(the context of sequences of ``lengths`` in blocks of a pool in random order, the
+    pool [blocks, BLOCK, width], each sequence's last slot: its new token's)."""
+    tables, used = [], 0
+    blocks = sum(-(-n // BLOCK) for n in lengths) * 2 + 1
+    order = torch.randperm(blocks, generator=g).tolist()
+    for n in lengths:
+        count = -(-n // BLOCK)
+        tables.append(order[used : used + count])
+        used += count
+    ctx = cache_context(tables, lengths, BLOCK, None, torch.device("cpu"))
+    pool = torch.randn(blocks, BLOCK, width, generator=g)
+    return ctx, pool, ctx.slots[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
 
 
 def _attention_matches(
@@ -43,17 +62,8 @@ def _attention_matches(
     plain = _factors(kv, d, r_k, style, copy_ranks, False, r_v, bias, v_rows)
     assert native.native_scores is not None, "the native kernel did not build or take it"
     g = torch.Generator().manual_seed(sum(lengths) + r_v)
-    tables, used = [], 0
-    blocks = sum(-(-n // BLOCK) for n in lengths) * 2 + 1
-    order = torch.randperm(blocks, generator=g).tolist()
-    for n in lengths:
-        count = -(-n // BLOCK)
-        tables.append(order[used : used + count])
-        used += count
-    ctx = cache_context(tables, lengths, BLOCK, None, torch.device("cpu"))
-    pool = torch.randn(blocks, BLOCK, r_k + r_v, generator=g)
+    ctx, pool, new_slots = _paged(lengths, r_k + r_v, g)
     ours, theirs = LayerCache("latent", latent=pool.clone()), LayerCache("latent", latent=pool)
-    new_slots = ctx.slots[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
     # the new latents as the layer hands them: columns of a wider gathered latent
     latent = torch.randn(len(lengths), r_k + r_v + 5, generator=g)[:, 2 : 2 + r_k + r_v]
     q = torch.randn(len(lengths), kv * group, d, generator=g)
@@ -133,3 +143,74 @@ def test_the_native_attention_refuses_what_it_would_misread():
         decode_latent_native(q[:, :3], latent, step, cache, f, 1.0)
     with pytest.raises(ValueError, match="contiguous int64 slots"):
         latent_step(new_slots.int(), ctx)  # the step's tokens are checked once, when made
+
+
+def _latent_half(lengths, kv, group, d, r_k, r_v, kv_first, seed):
+    """A latent-cache layer's projections (q's matrix beside a latent whose k|v columns
+    start at ``kv_first``), its factors, cache and step, and q's RoPE tables."""
+    g = torch.Generator().manual_seed(seed)
+    f = _factors(kv, d, r_k, "neox", 1, True, r_v)
+    ctx, pool, new_slots = _paged(lengths, r_k + r_v, g)
+    hidden, heads, columns = 24, kv * group, kv_first + r_k + r_v + 3
+    q_w = torch.randn(hidden, heads * d, generator=g) / hidden**0.5
+    kv_w = torch.randn(hidden, columns, generator=g) / hidden**0.5
+    projections = (Projection(_panels(q_w), heads * d), Projection(_panels(kv_w), columns))
+    positions = torch.tensor(lengths) - 1
+    cos, sin = eager.rope_tables(positions, f.inv_freq, "neox")
+    rope = (cos[:, None, :], sin[:, None, :], d, d // 2)
+    x = torch.randn(len(lengths), hidden, generator=g)
+    norm = (torch.rand(hidden, generator=g) + 0.5, 1e-6)
+    return f, pool, latent_step(new_slots, ctx), projections, rope, x, norm
+
+
+@settings(deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=3),
+    kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 64]),
+    r_k=st.integers(2, 40),
+    r_v=st.integers(1, 30),
+    kv_first=st.integers(0, 5),
+    seed=st.integers(0, 10_000),
+)
+def test_the_decode_blocks_latent_half_is_its_two_calls_in_one(
+    lengths, kv, group, d, r_k, r_v, kv_first, seed
+):
+    """``DecodeBlockLibrary.latent_attention`` (q and the latent, then the latent attention,
+    in one native call) against ``q_and_latent`` then ``decode_latent_native``: the same
+    residual, cache rows and heads' output, bit for bit (the same kernels in turn)."""
+    r_k = min(r_k, kv * d)
+    f, pool, step, (q_proj, kv_proj), rope, x, norm = _latent_half(
+        lengths, kv, group, d, r_k, r_v, kv_first, seed
+    )
+    lib, m, scores = decode_block_library(), len(lengths), f.native_scores
+    x_two, cache_two = x.clone(), LayerCache("latent", latent=pool.clone())
+    q, latent = lib.q_and_latent(x_two, [], norm, q_proj, kv_proj, rope)
+    new = latent[:, kv_first : kv_first + r_k + r_v]
+    want = decode_latent_native(q.view(m, -1, d), new, step, cache_two, f, 0.125)
+    cache = LayerCache("latent", latent=pool.clone())
+    tables = scores.angles.tables(step.slots.shape[1], scores.layer.wpad)
+    operands = (scores.layer, step, cache.latent_rows, tables, 0.125)
+    attention = LatentAttention(scores.library, *operands)
+    got = lib.latent_attention(x, [], norm, (q_proj, kv_proj, kv_first), rope, attention)
+    assert torch.equal(x, x_two), "the residual differs"
+    assert torch.equal(cache.latent, cache_two.latent), "the new latents differ"
+    assert torch.equal(got, want.view(m, -1)), "the heads' output differs"
+
+
+def test_the_decode_blocks_latent_half_refuses_what_it_would_misread():
+    f, pool, step, (q_proj, kv_proj), rope, x, norm = _latent_half([5, 3], 2, 2, 8, 6, 3, 2, 0)
+    lib, scores, rows = decode_block_library(), f.native_scores, pool.view(-1, 9)
+    tables = scores.angles.tables(step.slots.shape[1], scores.layer.wpad)
+    attention = LatentAttention(scores.library, scores.layer, step, rows, tables, 1.0)
+    past = (q_proj, kv_proj, 6)  # 6 + r_k + r_v past the latent's 14 columns
+    with pytest.raises(ValueError, match=r"k\|v columns within the latent"):
+        lib.latent_attention(x, [], norm, past, rope, attention)
+    projections = (q_proj, kv_proj, 0)
+    with pytest.raises(ValueError, match="cache rows of r_k"):
+        narrow = attention._replace(rows=rows[:, :8])
+        lib.latent_attention(x, [], norm, projections, rope, narrow)
+    far = LatentStep(torch.tensor([2, rows.shape[0]]), step.slots, step.lengths)
+    with pytest.raises(ValueError, match="slots within the cache's rows"):
+        lib.latent_attention(x, [], norm, projections, rope, attention._replace(step=far))

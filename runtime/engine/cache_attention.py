@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from runtime.engine.step_io import Piece, SeqInput
-from runtime.kernels.latent_scores import LatentStep
+from runtime.kernels.latent_operands import LatentStep
 from runtime.model.eager_attention import (
     CacheContext,
     LatentFactors,
@@ -28,7 +28,12 @@ from runtime.model.eager_attention import (
     latent_step,
 )
 from runtime.model.execution import AttentionFn
-from runtime.model.paged_cache import DenseDecodeCache, LayerCache
+from runtime.model.paged_cache import (
+    DecodeCache,
+    DenseDecodeCache,
+    LatentDecodeCache,
+    LayerCache,
+)
 
 
 class CacheAttention:
@@ -93,9 +98,9 @@ class CacheAttention:
 
     def decode(
         self, seqs: list[SeqInput]
-    ) -> tuple[AttentionFn, Callable[[int], DenseDecodeCache | None]]:
-        """The step's attention, and its dense layer caches by index (for the native
-        decode block, ``Batch.dense_cache``)."""
+    ) -> tuple[AttentionFn, Callable[[int], DecodeCache | None]]:
+        """The step's attention, and its layer caches by index as the native decode block
+        reads them (``Batch.decode_cache``)."""
         slots = torch.tensor(
             [self.slot(s.block_table, s.length - 1) for s in seqs],
             dtype=torch.long,
@@ -106,10 +111,18 @@ class CacheAttention:
         checked: list[bool] = []  # the slots' range, checked on first use
         steps: list[LatentStep] = []  # the latent caches' tokens, made on first use
 
-        def dense_cache(index: int) -> DenseDecodeCache | None:
+        def tokens() -> LatentStep:
+            if not steps:
+                steps.append(latent_step(slots, ctx))
+            return steps[0]
+
+        def decode_cache(index: int) -> DecodeCache | None:
             cache = self.caches[index]
-            if cache.kind != "dense":
-                return None
+            if cache.kind == "latent":  # where its attention is native
+                scores, rows = self.latent_factors[index].native_scores, cache.latent_rows
+                if scores is None or rows.dtype != torch.float32 or not rows.is_cpu:
+                    return None
+                return LatentDecodeCache(rows, tokens(), scores, self.scale)
             if not checked:
                 DenseDecodeCache.checked(slots, ctx.slots, cache.k_rows.shape[0])
                 checked.append(True)
@@ -119,21 +132,16 @@ class CacheAttention:
 
         def attention(index, q, k, v, latent):
             cache = self.caches[index]
-            dense = dense_cache(index)
-            if dense is not None:  # written and attended in one native pass where it takes them
-                out = decode_dense_native(q, k, v, dense)
-                if out is not None:
-                    return out
-            if cache.kind == "latent":  # written and attended in one native call where it can
-                if not steps:
-                    steps.append(latent_step(slots, ctx))
+            if cache.kind == "dense":  # written and attended in one native pass where it can
+                out = decode_dense_native(q, k, v, decode_cache(index))
+            else:  # likewise, in one native call
                 f = self.latent_factors[index]
-                out = decode_latent_native(q, latent, steps[0], cache, f, self.scale)
-                if out is not None:
-                    return out
+                out = decode_latent_native(q, latent, tokens(), cache, f, self.scale)
+            if out is not None:
+                return out
             cache.write(slots, k, v, latent)
             if cache.kind == "dense":
                 return decode_dense(q, cache, ctx, self.scale)
             return decode_latent(q, cache, ctx, self.latent_factors[index], self.scale)
 
-        return attention, dense_cache
+        return attention, decode_cache

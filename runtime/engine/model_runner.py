@@ -244,8 +244,8 @@ class ModelRunner:
         ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int32, device=dev)
         pos = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int32, device=dev)
         n = torch.tensor([len(seqs)], dtype=torch.int32, device=dev)
-        attention, dense_cache = self.attention.decode(seqs)
-        batch = self.execution.batch(pos, n, attention, self.inv_freq, True, dense_cache)
+        attention, decode_cache = self.attention.decode(seqs)
+        batch = self.execution.batch(pos, n, attention, self.inv_freq, True, decode_cache)
         return self._sample(seqs, self.model.logits(self.model.forward(ids, pos, batch)))
 
     # --- sampling ----------------------------------------------------------------------

@@ -3,8 +3,10 @@ calls, the attention half and the MLP half, each one parallel region over panel-
 weights (``panel``; each projection dense or low-rank, ``Projection``), built once per
 machine (``native_build``); and the dense cache's write and attention alone
 (``DecodeBlockLibrary.cached_attention``) for layers that make their own projections,
-and a latent-cache layer's q, rotated, beside its k|v latent (``q_and_latent``) and its
-W_o in the MLP half's call (``mlp``'s ``after``). The layers use it
+and a latent-cache layer's q, rotated, beside its k|v latent (``q_and_latent``), the
+same followed by the cache's latent attention (``latent_attention``: the native latent
+attention of ``latent_scores``, called by address, in the same call), and its W_o in the
+MLP half's call (``mlp``'s ``after``). The layers use it
 through ``runtime.model.decode_block``; where it did not build they run their ops one by
 one."""
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels import native_build
+from runtime.kernels import latent_operands, latent_scores, native_build
 
 SOURCE = native_build.NATIVE / "decode_block.c"
 
@@ -134,26 +136,67 @@ class DecodeBlockLibrary:
         and v's down factors); or, ``q`` None, ``kv`` low-rank with q's latent first and
         q's up factor its one member. ``rope``: (cos, sin [m, d] or [m, 1, d], contiguous,
         head_dim d, half as in ``attention``): q's heads rotated in the same call."""
+        width = self._q_and_latent_width(x, q, kv, rope)
+        cos, sin, d, half = rope if rope is not None else (None, None, 1, 0)
+        latent = torch.empty(x.shape[0], kv.columns)
+        out = self._half(
+            "decode_q_and_latent", x, parts, norm, width,
+            None if q is None else q.address, kv.address,
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            d, half, latent.data_ptr(),
+        )  # fmt: skip
+        return out, latent
+
+    @staticmethod
+    def _q_and_latent_width(
+        x: torch.Tensor,
+        q: Projection | None,
+        kv: Projection,
+        rope: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+    ) -> int:
+        """q's columns, once ``q_and_latent``'s operands are checked."""
         low_rank = q is None
         if bool(kv.ups) != low_rank or kv.down is None or kv.in_width != x.shape[-1]:
             raise ValueError(f"decode block: q and a k|v latent from x {tuple(x.shape)}")
         if not low_rank and (q.ups or q.in_width != x.shape[-1]):
             raise ValueError(f"decode block: a dense q from x {tuple(x.shape)}")
         width = kv.out_width if low_rank else q.out_width
-        cos, sin, d, half = rope if rope is not None else (None, None, 1, 0)
         if rope is not None:
-            m = x.shape[0]
-            tables = cos.numel() == sin.numel() == m * d and cos.is_contiguous()
+            cos, sin, d, _ = rope
+            tables = cos.numel() == sin.numel() == x.shape[0] * d and cos.is_contiguous()
             if not (tables and sin.is_contiguous() and width % d == 0):
                 raise ValueError(f"decode block: RoPE tables {tuple(cos.shape)} for q of {width}")
-        latent = torch.empty(x.shape[0], kv.columns)
-        out = self._half(
-            "decode_q_and_latent", x, parts, norm, width,
-            None if low_rank else q.address, kv.address,
-            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-            d, half, latent.data_ptr(),
+        return width
+
+    def latent_attention(
+        self,
+        x: torch.Tensor,
+        parts: list[torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+        projections: tuple[Projection | None, Projection, int],
+        rope: tuple[torch.Tensor, torch.Tensor, int, int],
+        attention: latent_scores.LatentAttention,
+    ) -> torch.Tensor:
+        """``decode_latent_attention``: ``q_and_latent`` (``projections`` = its q and kv,
+        and the first of the latent's k|v columns), then ``attention``'s latent attention
+        with that q and those columns as the new latents, in one call -> the heads'
+        output [m, q's columns] (before W_o)."""
+        q, kv, kv_first = projections
+        width, (cos, sin, d, half) = self._q_and_latent_width(x, q, kv, rope), rope
+        a, heads = attention, width // d
+        fits = a.layer.r_k + a.layer.u_v.shape[1] + kv_first <= kv.columns
+        fits = fits and x.shape[0] == a.step.slots.shape[0]
+        if not (fits and latent_operands.cache_fits(a.rows, a.layer, a.step, a.tables, heads, d)):
+            checks = {"k|v columns within the latent, one row per sequence": fits}
+            checks |= latent_operands.cache_checks(a.rows, a.layer, a.step, a.tables, heads, d)
+            latent_operands.check("latent attention", checks)
+        return self._half(
+            "decode_latent_attention", x, parts, norm, width,
+            None if q is None else q.address, kv.address, cos.data_ptr(), sin.data_ptr(), d,
+            half, a.library.attention_address, a.layer.address, a.step.address,
+            a.rows.data_ptr(), a.rows.shape[0], a.rows.stride(0), kv_first,
+            a.tables[0].data_ptr(), a.tables[1].data_ptr(), a.scale,
         )  # fmt: skip
-        return out, latent
 
     def attention(
         self,
@@ -244,6 +287,8 @@ class DecodeBlockLibrary:
             x.data_ptr(), m, h, pointers, strides, len(parts), weight, eps, *arguments,
             out.data_ptr(),
         )  # fmt: skip
+        if failed == -2:  # decode_latent_attention's: its slots are checked by the call
+            raise ValueError("latent attention: need slots within the cache's rows")
         if failed:
             raise MemoryError(f"decode block: no scratch for {m} rows")
         return out
@@ -297,6 +342,7 @@ _SIGNATURES = {
     "decode_mlp": _HALF + "pip" + "pipp",
     "decode_norm_project": _HALF + "pp",
     "decode_q_and_latent": _HALF + "pppp" + "iipp",
+    "decode_latent_attention": _HALF + "pppp" + "ii" + "ppp" + "piii" + "ppf" + "p",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
 }
 _TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}

@@ -11,101 +11,21 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from runtime.kernels import native_build
+from runtime.kernels.latent_operands import (
+    LatentLayer,
+    LatentStep,
+    call_checks,
+    call_fits,
+    check,
+    row_checks,
+)
 
 SOURCE = native_build.NATIVE / "latent_scores.c"
-
-
-class _LayerDescriptor(ctypes.Structure):
-    """``latent_layer_t`` of the C file."""
-
-    _fields_ = [
-        ("key_dims", ctypes.c_void_p),
-        ("key_heads", ctypes.c_void_p),
-        *((name, ctypes.c_int64) for name in ("width", "r_k", "r_v", "copy_from", "copies")),
-        ("u", ctypes.c_void_p),
-        *((name, ctypes.c_int64) for name in ("upad", "wpad", "kv_heads")),
-        ("u_v", ctypes.c_void_p),
-        ("value_rows", ctypes.c_void_p),
-        ("bias_v", ctypes.c_void_p),
-    ]
-
-
-class _StepDescriptor(ctypes.Structure):
-    """``latent_step_t`` of the C file."""
-
-    _fields_ = [
-        ("new_slots", ctypes.c_void_p),
-        ("slots", ctypes.c_void_p),
-        ("lengths", ctypes.c_void_p),
-        ("batch", ctypes.c_int64),
-        ("length", ctypes.c_int64),
-    ]
-
-
-@dataclass(frozen=True)
-class LatentLayer:
-    """A layer's operands of ``latent_attention`` that stay from step to step, laid out
-    and checked once (``LatentScoresLibrary.layer``): the keys are z_k's columns
-    ``copied`` (first, count), then row[:r_k] · u_rest [r_k, upad]; each key column's dim
-    and KV head (int64 [width]); U_v per KV head [kv_heads, r_v, d] and its bias
-    [kv_heads · d] or None; ``wpad``: the key columns padded (the RoPE tables' width);
-    ``value_rows`` (int64 [kv_heads, 2]): per KV head (first, count), the rows of its U_v
-    that are not zero, hence the only z_v columns its query heads mix (one whole head's
-    in the copy basis of ``runtime.model.latent_basis``: a third of r_v at full rank).
-    Holds the C descriptor (``address``), which points into these tensors."""
-
-    r_k: int
-    copied: tuple[int, int]
-    u_rest: torch.Tensor
-    dims: torch.Tensor
-    heads: torch.Tensor
-    u_v: torch.Tensor
-    bias_v: torch.Tensor | None
-    wpad: int
-    value_rows: torch.Tensor
-
-    def __post_init__(self) -> None:
-        (first, copies), (kv_heads, r_v, _) = self.copied, self.u_v.shape
-        described = _LayerDescriptor(
-            self.dims.data_ptr(), self.heads.data_ptr(), self.dims.numel(), self.r_k, r_v,
-            first, copies, self.u_rest.data_ptr(), self.u_rest.shape[1], self.wpad, kv_heads,
-            self.u_v.data_ptr(), self.value_rows.data_ptr(),
-            None if self.bias_v is None else self.bias_v.data_ptr(),
-        )  # fmt: skip
-        object.__setattr__(self, "descriptor", described)
-        object.__setattr__(self, "address", ctypes.addressof(described))
-
-
-@dataclass(frozen=True)
-class LatentStep:
-    """A decode step's tokens as ``latent_attention`` reads them, the same in every
-    layer, checked once per step: sequence b's new latent goes to cache row
-    ``new_slots`` [B][b], its first ``lengths`` [B][b] tokens are at rows ``slots`` [B,
-    L][b] (int64). Holds the C descriptor (``address``); the slots' range is checked
-    against each layer's cache by the call."""
-
-    new_slots: torch.Tensor
-    slots: torch.Tensor
-    lengths: torch.Tensor
-
-    def __post_init__(self) -> None:
-        (batch, length), index = self.slots.shape, (self.new_slots, self.slots, self.lengths)
-        checks = {
-            "contiguous int64 slots [B, L], new slots and lengths [B]": all(
-                t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
-                for t in index
-            )
-            and self.new_slots.shape == (batch,) == self.lengths.shape,
-        }
-        _check("latent attention", checks)
-        pointers = (t.data_ptr() for t in index)
-        described = _StepDescriptor(*pointers, batch, length)
-        object.__setattr__(self, "descriptor", described)
-        object.__setattr__(self, "address", ctypes.addressof(described))
 
 
 @dataclass(frozen=True)
@@ -116,6 +36,11 @@ class LatentScoresLibrary:
     lib: ctypes.CDLL
     width: int
     max_width: int
+
+    @property
+    def attention_address(self) -> int:
+        """``latent_attention``'s address, for a native caller (``LatentAttention``)."""
+        return ctypes.cast(self.lib.latent_attention, ctypes.c_void_p).value
 
     def padded(self, columns: int) -> int:
         return -(-columns // self.width) * self.width
@@ -142,7 +67,7 @@ class LatentScoresLibrary:
         fp32 = all(t.dtype == torch.float32 for t in (rows, u_rest, cos, sin, queries))
         key_checks = self._key_checks(r_k, copied, u_rest, cos, rows, length, wpad)
         checks = {"fp32 operands": fp32} | key_checks
-        _check("latent scores", checks | _row_checks(rows, slots, lengths, r_k))
+        check("latent scores", checks | row_checks(rows, slots, lengths, r_k))
         operands = (u_rest, cos, sin, queries)
         u_rest, cos, sin, queries = (t.contiguous() for t in operands)
         slots, lengths = slots.contiguous(), lengths.to(torch.int64).contiguous()
@@ -152,7 +77,7 @@ class LatentScoresLibrary:
             lengths.data_ptr(), r_k, first, copies, u_rest.data_ptr(), upad,
             cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), heads, wpad, out.data_ptr(),
         )  # fmt: skip
-        _check("latent scores", {"slots within the cache's rows": failed != -1})
+        check("latent scores", {"slots within the cache's rows": failed != -1})
         if failed:
             raise MemoryError("latent scores: no scratch memory")
         return out
@@ -185,7 +110,7 @@ class LatentScoresLibrary:
             "probs [B, H, L]": probs.shape[0] == batch and probs.shape[2] == length,
             "some z_v columns": r_v > 0,
         }
-        _check("latent values", checks | _row_checks(rows, slots, lengths, r_k))
+        check("latent values", checks | row_checks(rows, slots, lengths, r_k))
         probs, slots = probs.contiguous(), slots.contiguous()
         lengths = lengths.to(torch.int64).contiguous()
         out = torch.empty(batch, heads, r_v, dtype=torch.float32)
@@ -193,7 +118,7 @@ class LatentScoresLibrary:
             probs.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), slots.data_ptr(),
             batch, length, lengths.data_ptr(), r_k, r_v, heads, None, 0, out.data_ptr(),
         )  # fmt: skip
-        _check("latent values", {"slots within the cache's rows": not failed})
+        check("latent values", {"slots within the cache's rows": not failed})
         return out
 
     def layer(
@@ -223,7 +148,7 @@ class LatentScoresLibrary:
             "bias_v [kv_heads · d]": bias_v is None
             or (u_v.dim() == 3 and bias_v.numel() == u_v.shape[0] * u_v.shape[2]),
         }
-        _check("latent attention", checks)
+        check("latent attention", checks)
         tensors = (u_rest, dims, heads, u_v) + (() if bias_v is None else (bias_v,))
         u_rest, dims, heads, u_v, *bias = (t.contiguous() for t in tensors)
         bias_v = bias[0] if bias else None
@@ -248,8 +173,8 @@ class LatentScoresLibrary:
         failure)."""
         cos, sin = tables
         batch, heads, d = q.shape
-        if not _fits(q, latents, rows, layer, step, tables):
-            _check("latent attention", _call_checks(q, latents, rows, layer, step, tables))
+        if not call_fits(q, latents, rows, layer, step, tables):
+            check("latent attention", call_checks(q, latents, rows, layer, step, tables))
             raise ValueError("latent attention: operands it does not take")
         out = torch.empty(batch, heads, d, dtype=torch.float32)
         failed = self.lib.latent_attention(
@@ -259,8 +184,21 @@ class LatentScoresLibrary:
         )  # fmt: skip
         if failed == -2:
             raise MemoryError("latent attention: no scratch memory")
-        _check("latent attention", {"slots within the cache's rows": not failed})
+        check("latent attention", {"slots within the cache's rows": not failed})
         return out
+
+
+class LatentAttention(NamedTuple):
+    """One layer's latent attention as another native call makes it (``DecodeBlockLibrary.
+    latent_attention``): the library, the layer's and the step's descriptors, the layer's
+    cache rows, the keys' RoPE tables (``KeyAngles.tables``) and the scale."""
+
+    library: LatentScoresLibrary
+    layer: LatentLayer
+    step: LatentStep
+    rows: torch.Tensor
+    tables: tuple[torch.Tensor, torch.Tensor]
+    scale: float
 
 
 def value_rows(u_v: torch.Tensor) -> torch.Tensor:
@@ -272,71 +210,6 @@ def value_rows(u_v: torch.Tensor) -> torch.Tensor:
     end = torch.where(live, index + 1, 0).amax(-1)
     first = torch.minimum(first, end)
     return torch.stack([first, end - first], -1).contiguous()
-
-
-def _fits(q, latents, rows, layer: LatentLayer, step: LatentStep, tables) -> bool:
-    """``attention``'s checks as one boolean (``_call_checks`` names them)."""
-    (cos, sin), (batch, length), u_v = tables, step.slots.shape, layer.u_v
-    return (
-        q.dtype == latents.dtype == rows.dtype == cos.dtype == sin.dtype == torch.float32
-        and q.dim() == 3
-        and q.is_contiguous()
-        and q.shape[0] == batch
-        and q.shape[1] % u_v.shape[0] == 0
-        and q.shape[2] == u_v.shape[2]
-        and latents.shape == (batch, layer.r_k + u_v.shape[1])
-        and latents.stride(1) == 1
-        and rows.dim() == 2
-        and rows.shape[1] == layer.r_k + u_v.shape[1]
-        and rows.stride(1) == 1
-        and rows.is_cpu
-        and cos.shape == sin.shape
-        and cos.shape[0] >= length
-        and cos.shape[1] == layer.wpad
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    )
-
-
-def _call_checks(q, latents, rows, layer: LatentLayer, step: LatentStep, tables) -> dict:
-    """``attention``'s checks by name, for its message."""
-    (cos, sin), (batch, length), u_v = tables, step.slots.shape, layer.u_v
-    fp32 = (q, latents, rows, cos, sin)
-    return {
-        "fp32 operands": all(t.dtype == torch.float32 for t in fp32),
-        "contiguous q [B, H, d] with whole KV head groups": q.is_contiguous()
-        and q.dim() == 3
-        and q.shape[0] == batch
-        and q.shape[1] % u_v.shape[0] == 0
-        and q.shape[2] == u_v.shape[2],
-        "row-contiguous new latents [B, r_k + r_v]": latents.shape
-        == (batch, layer.r_k + u_v.shape[1])
-        and latents.stride(1) == 1,
-        "cache rows of r_k + r_v": rows.dim() == 2 and rows.shape[-1] == layer.r_k + u_v.shape[1],
-        "row-contiguous cache rows on the CPU": rows.stride(-1) == 1 and rows.is_cpu,
-        "contiguous tables [≥ L, wpad]": cos.shape == sin.shape
-        and cos.shape[0] >= length
-        and cos.shape[1] == layer.wpad
-        and cos.is_contiguous()
-        and sin.is_contiguous(),
-    }
-
-
-def _row_checks(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, r_k: int):
-    return {
-        "row-contiguous cache rows [slots, ·] on the CPU": rows.dim() == 2
-        and rows.stride(1) == 1
-        and rows.device.type == "cpu",
-        "rows of at least r_k": rows.shape[-1] >= r_k,
-        "int64 slots [B, L]": slots.dtype == torch.int64 and slots.dim() == 2,
-        "one length per sequence": lengths.shape == slots.shape[:1],
-    }
-
-
-def _check(what: str, checks: dict[str, bool]) -> None:
-    wrong = [name for name, holds in checks.items() if not holds]
-    if wrong:
-        raise ValueError(f"{what}: need {', '.join(wrong)}")
 
 
 def build_library(

@@ -35,8 +35,9 @@ import torch
 from dsl.spec import ModelConfig
 from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.decode_block import DecodeBlockLibrary, Projection, decode_block_library
+from runtime.kernels.latent_scores import LatentAttention
 from runtime.kernels.panel import panel_library
-from runtime.model.paged_cache import DenseDecodeCache
+from runtime.model.paged_cache import DenseDecodeCache, LatentDecodeCache
 
 # The ranks' all-gather of a latent's columns ([m, w] on each rank -> [m, world * w])
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -298,6 +299,25 @@ class LatentAttentionHalf:
         q, latent = self.library.q_and_latent(x, summands, norm, self.q, self.qkv, rope)
         first, count = self.kv
         return q, latent[:, first : first + count]
+
+    def attention(
+        self,
+        x: torch.Tensor,
+        summands: list[torch.Tensor],
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        cache: LatentDecodeCache,
+    ) -> torch.Tensor:
+        """x += summands (in place); the heads' output [m, heads · d] before W_o:
+        ``project`` (q rotated by ``rope_tables``) and the cache's native latent attention
+        (``decode_latent_native``) in one native call, no Python between them."""
+        scores, step = cache.scores, cache.step
+        tables = scores.angles.tables(step.slots.shape[1], scores.layer.wpad)
+        attention = LatentAttention(
+            scores.library, scores.layer, step, cache.rows, tables, cache.scale
+        )
+        projections, rope = (self.q, self.qkv, self.kv[0]), (*rope_tables, *self.rope)
+        norm = (self.input_norm, self.eps)
+        return self.library.latent_attention(x, summands, norm, projections, rope, attention)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from runtime.kernels.eager import (
     rope_tables_of,
     rotate,
 )
-from runtime.kernels.latent_scores import LatentStep
+from runtime.kernels.latent_operands import LatentStep
 from runtime.model.key_angles import KeyAngles
 from runtime.model.latent_basis import copies_usable, latent_layout
 from runtime.model.native_key_scores import NativeKeyScores, native_key_scores

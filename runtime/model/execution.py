@@ -23,7 +23,7 @@ from dsl.spec import ModelConfig
 from runtime.dist.comm import Comm
 from runtime.kernels import KernelRegistry, eager
 from runtime.kernels.reference import apply_norm
-from runtime.model.paged_cache import DenseDecodeCache
+from runtime.model.paged_cache import DecodeCache
 
 # attention(layer index, q [T, Hl, d], k [T, KVl, d], v [T, KVl, d], latent [T, r_k + r_v] or
 # None) -> [T, Hl, d]. Rotary embedding has already been applied to q and k.
@@ -44,9 +44,9 @@ class Batch:
     # The dynamic path's RoPE tables of the positions, [T, 1, head_dim] each (broadcast
     # over heads), made once per forward instead of in every layer.
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-    # A decode step's dense caches by layer index (None for a latent layer's), for the
-    # native decode block (``runtime.model.decode_block``); None: not offered.
-    dense_cache: Callable[[int], DenseDecodeCache | None] | None = None
+    # A decode step's layer caches by index as the native decode block reads them
+    # (``runtime.model.decode_block``; None for a cache it does not read); None: not offered.
+    decode_cache: Callable[[int], DecodeCache | None] | None = None
 
 
 class Execution:
@@ -66,10 +66,10 @@ class Execution:
         attention: AttentionFn,
         inv_freq: torch.Tensor | None,
         decode: bool = False,
-        dense_cache: Callable[[int], DenseDecodeCache | None] | None = None,
+        decode_cache: Callable[[int], DecodeCache | None] | None = None,
     ) -> Batch:
-        """``dense_cache``: a decode step's dense layer caches, which only the dynamic
-        path's native decode block reads."""
+        """``decode_cache``: a decode step's layer caches, which only the dynamic path's
+        native decode block reads."""
         return Batch(positions, n_valid, attention, decode)
 
     def norm(self, x: torch.Tensor, weight, bias, kind: str) -> torch.Tensor:
@@ -130,13 +130,13 @@ class DynamicExecution(Execution):
         self.product = product
 
     def batch(
-        self, positions, n_valid, attention, inv_freq, decode=False, dense_cache=None
+        self, positions, n_valid, attention, inv_freq, decode=False, decode_cache=None
     ) -> Batch:
         tables = None
         if inv_freq is not None:
             cos, sin = eager.rope_tables(positions, inv_freq, self.model.positions.style)
             tables = cos[:, None, :], sin[:, None, :]
-        return Batch(positions, n_valid, attention, decode, tables, dense_cache)
+        return Batch(positions, n_valid, attention, decode, tables, decode_cache)
 
     def norm(self, x: torch.Tensor, weight, bias, kind: str) -> torch.Tensor:
         """One fused native pass."""

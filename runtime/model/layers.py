@@ -35,6 +35,7 @@ from runtime.model.decode_block import (
     matrices_of,
 )
 from runtime.model.execution import Batch, Execution
+from runtime.model.paged_cache import DenseDecodeCache, LatentDecodeCache
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -149,10 +150,10 @@ class DecoderLayer(nn.Module):
                     eager.add_summands(x, summands)
                 down = self.mlp_half.mlp(x, [self.attention_block(x, batch)], gather)
             return x, self.row_summands("down", down, batch)
-        if self.decode_block is None or batch.dense_cache is None or batch.rope_tables is None:
+        if self.decode_block is None or batch.decode_cache is None or batch.rope_tables is None:
             return None
-        cache = batch.dense_cache(self.index)
-        if cache is None:
+        cache = batch.decode_cache(self.index)
+        if not isinstance(cache, DenseDecodeCache):
             return None
         block = self.decode_block
         o = block.attention(x, summands or [], batch.rope_tables, cache, gather)
@@ -163,10 +164,16 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, summands: list[torch.Tensor], batch: Batch
     ) -> torch.Tensor:
         """x += summands (in place); a latent-cache layer's attention heads' output [m,
-        heads · d] before W_o, through ``latent_half``: its projections in one native call
-        that rotates q too, then the cache's native latent attention."""
+        heads · d] before W_o, through ``latent_half``: its projections, which rotate q
+        too, and the cache's native latent attention in one native call; or, where the
+        cache is not read natively, the projections' call, then the step's attention."""
         rows, d = x.shape[0], self.s.model.head_dim
         tables = batch.rope_tables  # the dynamic path's: q rotated in the projections' call
+        cache = None
+        if tables is not None and batch.decode_cache is not None:
+            cache = batch.decode_cache(self.index)
+        if isinstance(cache, LatentDecodeCache):
+            return self.latent_half.attention(x, summands, tables, cache)
         q, latent = self.latent_half.project(x, summands, tables)
         q = q.view(rows, -1, d)
         if tables is None:

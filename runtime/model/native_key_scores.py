@@ -9,12 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.latent_scores import (
-    LatentLayer,
-    LatentScoresLibrary,
-    LatentStep,
-    latent_scores_library,
-)
+from runtime.kernels.latent_operands import LatentLayer, LatentStep
+from runtime.kernels.latent_scores import LatentScoresLibrary, latent_scores_library
 from runtime.model.key_angles import KeyAngles
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.kernels.latent_operands import LatentStep
+from runtime.model.native_key_scores import NativeKeyScores
+
 
 def _rows(pool: torch.Tensor | None) -> torch.Tensor | None:
     """A paged pool [blocks, block_size, ...] as one row per slot [slots, ...] (a view)."""
@@ -64,3 +67,20 @@ class DenseDecodeCache:
         high = max(int(new_slots.max()), int(slots.max()))
         if low < 0 or high >= cache_slots:
             raise ValueError(f"decode slots {low}..{high} outside a cache of {cache_slots}")
+
+
+@dataclass(frozen=True)
+class LatentDecodeCache:
+    """What a decode step's native latent attention (``LatentAttentionHalf.attention``)
+    reads of one latent layer cache: its rows [slots, r_k + r_v], the step's tokens
+    (``LatentStep``, the same for every layer), the layer's native scores (its
+    descriptor and the keys' RoPE tables) and the attention's scale."""
+
+    rows: torch.Tensor
+    step: LatentStep
+    scores: NativeKeyScores
+    scale: float
+
+
+# A decode step's layer cache as the native decode block reads it.
+DecodeCache = DenseDecodeCache | LatentDecodeCache
