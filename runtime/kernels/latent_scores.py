@@ -36,11 +36,7 @@ class LatentScoresLibrary:
     lib: ctypes.CDLL
     width: int
     max_width: int
-
-    @property
-    def attention_address(self) -> int:
-        """``latent_attention``'s address, for a native caller (``LatentAttention``)."""
-        return ctypes.cast(self.lib.latent_attention, ctypes.c_void_p).value
+    attention_address: int  # ``latent_attention``'s, for a native caller (``LatentAttention``)
 
     def padded(self, columns: int) -> int:
         return -(-columns // self.width) * self.width
@@ -229,7 +225,8 @@ def _configured(lib: ctypes.CDLL) -> LatentScoresLibrary:
     lib.latent_attention.argtypes += [ptr, i64, ptr, ptr, ptr]
     lib.latent_scores.restype = lib.latent_values.restype = ctypes.c_int
     lib.latent_attention.restype = ctypes.c_int
-    return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()))
+    address = ctypes.cast(lib.latent_attention, ctypes.c_void_p).value
+    return LatentScoresLibrary(lib, int(lib.latent_width()), int(lib.latent_max_width()), address)
 
 
 @functools.cache
