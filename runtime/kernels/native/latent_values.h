@@ -13,9 +13,10 @@
 /* Tokens ahead whose z_v lines mix prefetches: a cache block's 16 rows lie one after
  * another (the hardware's prefetcher follows them), the next block anywhere; 16 on
  * is that next block's row. 30 layers' latent_attention with it took 0.88-0.97x the
- * time at 40 % and 0.95-0.96x at full rank (cpu-135m's shapes, batch 8, context 256,
- * blocks in random order, two threads, AMD EPYC VM, Zen 3, AVX2; builds' calls
- * alternated, medians of 30 passes, four runs; 4 and 8 ahead: within the noise of 16). */
+ * time without it at 40 % (8 ahead, four runs) and 0.91-0.97x at full rank, where no
+ * key is rebuilt (16 ahead, four runs; cpu-135m's shapes, batch 8, context 256, blocks
+ * in random order, two threads, AMD EPYC VM, Zen 3, AVX2; builds' calls alternated,
+ * medians of 30 passes; 4, 8 and 16 ahead within each other's noise). */
 #ifndef MIX_AHEAD
 #define MIX_AHEAD 16
 #endif
