@@ -10,9 +10,9 @@
 
 #include "vec.h"
 
-/* Tokens ahead whose z_v lines mix prefetches: a cache block's 16 rows lie one after
- * another (the hardware's prefetcher follows them), the next block anywhere; 16 on
- * is that next block's row. 30 layers' latent_attention with it took 0.88-0.97x the
+/* Tokens ahead whose z_v lines mix prefetches: a cache block's rows (16 at the spec's
+ * default block_size) lie one after another (the hardware's prefetcher follows them),
+ * the next block anywhere; 16 on is, at that default, the next block's row. 30 layers' latent_attention with it took 0.88-0.97x the
  * time without it at 40 % (8 ahead, four runs) and 0.91-0.97x at full rank, where no
  * key is rebuilt (16 ahead, four runs; cpu-135m's shapes, batch 8, context 256, blocks
  * in random order, two threads, AMD EPYC VM, Zen 3, AVX2; builds' calls alternated,
@@ -28,7 +28,7 @@ static inline __attribute__((always_inline)) void mix(
     int64_t n, const int64_t *start, vec_t acc[HEADS][SPAN], const int vecs) {
   for (int64_t t = 0; t < n; t++) {
     const float *zt = z_v + row[t] * ldz;
-    if (t + MIX_AHEAD < n) { /* this span's lines of the row MIX_AHEAD tokens on */
+    if (t + MIX_AHEAD < n) { /* the first and last of this span's lines, MIX_AHEAD rows on */
       const float *next = z_v + row[t + MIX_AHEAD] * ldz;
       __builtin_prefetch(next + start[0]);
       __builtin_prefetch(next + start[vecs - 1] + VEC - 1);
