@@ -188,11 +188,12 @@ def test_mlp_half_equals_torch(
     m, hidden, inter, parts, gate_up_ranks, down_ranks, cut, seed, after
 ):
     """``cut`` as in the attention half's test; the first summand a transposed view (as a
-    product computed as (W·aᵀ)ᵀ comes). ``after`` (heads' width, o's rank or None): the
-    heads' output times o added to x in the same call (a latent-cache layer's W_o)."""
+    product computed as (W·aᵀ)ᵀ comes). ``after`` (latent width, its projection's rank or
+    None): a latent times its projection added to x in the same call (a latent-cache
+    layer's heads' output times W_o; cut, in the first call: across ranks the previous row
+    group's reduced latent times its up factor)."""
     gen = torch.Generator().manual_seed(seed)
     cut = cut if gate_up_ranks is not None else 0
-    after = after if not cut else None
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
@@ -217,10 +218,13 @@ def test_mlp_half_equals_torch(
     out_want = (F.silu(gate) * up) @ w_down
     lib, source, norm = decode_block_library(), x, (norm_w, 1e-6)
     if cut:
-        latent = lib.norm_project(x, summands, norm, gate_up_down)
+        latent = lib.norm_project(x, summands, norm, gate_up_down, heads_o)
         source, summands, norm = torch.cat([latent, rand(m, cut - 1)], dim=1), [], None
+        heads_o, x_after = None, heads_o
+    else:
+        x_after = heads_o
     out = lib.mlp(source, summands, norm, gate_up_proj, inter, down_proj, heads_o)
-    assert torch.equal(x, x_want) if heads_o is None else torch.allclose(x, x_want, **TOL)
+    assert torch.equal(x, x_want) if x_after is None else torch.allclose(x, x_want, **TOL)
     assert torch.allclose(out, out_want, **TOL)
 
 
@@ -232,10 +236,12 @@ def test_operands_it_would_misread_are_refused():
     with pytest.raises(ValueError, match="summand"):
         lib.mlp(x, [torch.randn(3, 8)], (torch.ones(8), 1e-6), gate_up, 2, down)
     o, _ = _projection(gen, 5, [8], None)
-    with pytest.raises(ValueError, match="heads' output"):  # o's input is 5 wide
+    with pytest.raises(ValueError, match=r"a latent \(2, 4\) to add to x"):  # o's input is 5 wide
         lib.mlp(x, [], (torch.ones(8), 1e-6), gate_up, 2, down, (torch.randn(2, 4), o))
-    with pytest.raises(ValueError, match="heads' output"):  # no norm: x is a latent
+    with pytest.raises(ValueError, match="to add to x"):  # no norm: x is a latent
         lib.mlp(x, [], None, gate_up, 2, down, (torch.randn(2, 5), o))
+    with pytest.raises(ValueError, match="to add to x"):  # no norm: the summand would be lost
+        lib.norm_project(torch.randn(2, 2), [], None, down, (torch.randn(2, 5), o))
     with pytest.raises(ValueError, match="contiguous fp32"):
         lib.mlp(x.t().contiguous().t(), [], (torch.ones(8), 1e-6), gate_up, 2, down)
 

@@ -100,6 +100,13 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         native = mode != "base" and kv == "dense" and path == "dynamic"
         blocks = CONFIG["num_hidden_layers"] if native else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * tp
+        # across ranks the low-rank rows' up factors held whole (replicated) are multiplied
+        # by the next half's call: o's and down's with a dense cache, down's with a latent
+        rows = 0
+        if mode == "deinfer" and tp > 1 and path == "dynamic" and want_layout == "replicated":
+            latent_rows = {"o", "down"} - merged if kv == "dense" else {"down"} - merged
+            rows = len(latent_rows) * CONFIG["num_hidden_layers"]
+        assert llm.workers.call("pending_up_groups") == [rows] * tp
         # a latent cache's layers: the MLP half alone, where gate and up are both merged or
         # both latent
         mlp_whole = len(merged & {"gate", "up"}) in (0, 2)
@@ -162,6 +169,10 @@ def test_whole_down_factors_need_no_latent_all_gather(model, kv, up):
         assert llm.workers.call("decode_block_layers") == [blocks] * 2
         halves = CONFIG["num_hidden_layers"] - blocks  # a latent cache: the MLP half alone
         assert llm.workers.call("mlp_half_layers") == [halves] * 2
+        # up factors held whole: o's and down's products (down's alone beside a latent
+        # cache) made by the next half's call, in it or just before it where it is one call
+        rows = (2 if kv == "dense" else 1) * CONFIG["num_hidden_layers"]
+        assert llm.workers.call("pending_up_groups") == [rows if up == "replicated" else 0] * 2
         llm.workers.call("set_comm_stats", "count")
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         stats = llm.workers.call("take_comm_stats")[0]

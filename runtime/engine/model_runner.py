@@ -326,6 +326,11 @@ class ModelRunner:
         (``LatentAttentionHalf``)."""
         return sum(getattr(layer, "latent_half", None) is not None for layer in self.model.layers)
 
+    def pending_up_groups(self) -> int:
+        """How many row groups' up products the next half's native call makes (across
+        ranks: ``runtime.model.decode_block.PendingUp``)."""
+        return sum(len(getattr(layer, "pending_ups", {})) for layer in self.model.layers)
+
     def gemm_forms(self) -> dict[str, dict[str, str]]:
         """The tuned product forms, {"KxN": {rows: form}} (empty when not tuned)."""
         return self.gemm.describe()

@@ -112,15 +112,38 @@ class DecodeBlockLibrary:
         parts: list[torch.Tensor],
         norm: tuple[torch.Tensor, float] | None,
         projection: Projection,
+        after: tuple[torch.Tensor, Projection] | None = None,
     ) -> torch.Tensor:
         """``decode_norm_project``: x [m, h] += parts (in place), and the normed x times
         ``projection`` [m, its columns] (across ranks: a column group's down factors'
-        shard, whose latent the ranks all-gather); norm None: x as it is (no parts)."""
+        shard, whose latent the ranks all-gather); norm None: x as it is (no parts).
+        ``after`` = (a latent [m, k], up): x += its product with up too, in the same call
+        (across ranks the previous row group's reduced latent and its up factor; not with
+        ``norm`` None)."""
         if projection.in_width != x.shape[-1]:
             raise ValueError(f"decode block: projection of {projection.in_width} for x {x.shape}")
+        latent, k, up = self._after(x, norm, after)
         return self._half(
-            "decode_norm_project", x, parts, norm, projection.out_width, projection.address
-        )
+            "decode_norm_project", x, parts, norm, projection.out_width, latent, k, up,
+            projection.address,
+        )  # fmt: skip
+
+    @staticmethod
+    def _after(
+        x: torch.Tensor,
+        norm: tuple[torch.Tensor, float] | None,
+        after: tuple[torch.Tensor, Projection] | None,
+    ) -> tuple[int | None, int, int | None]:
+        """The C arguments (latent, k, its projection) of a summand the call multiplies
+        itself (``norm_project``'s and ``mlp``'s ``after``): (NULL, 0, NULL) for none."""
+        if after is None:
+            return None, 0, None
+        latent, projection = after
+        m, h = x.shape
+        fits = latent.shape == (m, projection.in_width) and projection.out_width == h
+        if not (fits and latent.dtype == torch.float32 and latent.is_contiguous() and norm):
+            raise ValueError(f"decode block: a latent {tuple(latent.shape)} to add to x {m, h}")
+        return latent.data_ptr(), latent.shape[1], projection.address
 
     def q_and_latent(
         self,
@@ -253,14 +276,7 @@ class DecodeBlockLibrary:
         None as in ``attention``. ``after`` = (the heads' output [m, k], o): x += that
         times o first, in the same call (a latent-cache layer's attention output; not
         with ``norm`` None)."""
-        heads_out, k, o = None, 0, None
-        if after is not None:
-            heads, projection = after
-            m, h = x.shape
-            fits = heads.shape == (m, projection.in_width) and projection.out_width == h
-            if not (fits and heads.dtype == torch.float32 and heads.is_contiguous() and norm):
-                raise ValueError(f"decode block: heads' output {tuple(heads.shape)} for x {m, h}")
-            heads_out, k, o = heads.data_ptr(), heads.shape[1], projection.address
+        heads_out, k, o = self._after(x, norm, after)
         return self._half(
             "decode_mlp", x, parts, norm, down.out_width,
             heads_out, k, o, gate_up.address, inter, down.address,
@@ -340,7 +356,7 @@ _HALF = "piipp" + "ipf"
 _SIGNATURES = {
     "decode_attention": _HALF + "piiipp" + "ipppp" + "ipfpp",
     "decode_mlp": _HALF + "pip" + "pipp",
-    "decode_norm_project": _HALF + "pp",
+    "decode_norm_project": _HALF + "pip" + "pp",
     "decode_q_and_latent": _HALF + "pppp" + "iipp",
     "decode_latent_attention": _HALF + "pppp" + "ii" + "ppp" + "piii" + "ppf" + "p",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",

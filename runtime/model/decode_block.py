@@ -15,8 +15,10 @@ Across ranks (deinfer's latent dataflow) a half is cut at its collectives: a low
 column group's down factors' shard is one call (``ColumnProjection.first``), the ranks
 all-gather its latent, and the rest of the half runs from that latent (its up factors,
 ``ColumnProjection.ups``); a low-rank row projection ends at its down factor's shard
-(the latent of width r, which the layer all-reduces and multiplies by the up factor).
-A column group whose down factors every rank holds whole is one call, as on one rank.
+(the latent of width r, which the layer all-reduces and multiplies by the up factor:
+where every rank holds that factor whole, at the start of the next half's first call,
+``PendingUp``). A column group whose down factors every rank holds whole is one call, as
+on one rank.
 
 A layer over a latent cache runs the MLP half alone (``MlpHalf``) after its attention:
 on one rank q (rotated) and the k|v latent in one native call (``LatentAttentionHalf``),
@@ -38,6 +40,7 @@ from runtime.kernels.decode_block import DecodeBlockLibrary, Projection, decode_
 from runtime.kernels.latent_scores import LatentAttention
 from runtime.kernels.panel import panel_library
 from runtime.model.paged_cache import DenseDecodeCache, LatentDecodeCache
+from runtime.model.pending_up import PendingUp, Summand, apart
 
 # The ranks' all-gather of a latent's columns ([m, w] on each rank -> [m, world * w])
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -170,18 +173,20 @@ def _projection(
 def _input(
     library: DecodeBlockLibrary,
     x: torch.Tensor,
-    summands: list[torch.Tensor],
+    summands: list[Summand],
     norm: tuple[torch.Tensor, float],
     columns: ColumnProjection,
     gather: Gather,
-) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection]:
-    """What a half's call starts from: x, its summands and norm, and the whole
-    projection; or, cut, the latent the ranks gathered (x += summands by the first call)
-    and the up factors."""
+) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection, PendingUp | None]:
+    """What a half's call starts from: x, its summands (a ``PendingUp`` apart) and norm,
+    and the whole projection; or, cut, the latent the ranks gathered (x += summands by the
+    first call, which multiplies the ``PendingUp`` too) and the up factors."""
+    parts, pending = apart(summands)
     if columns.ups is None:
-        return x, summands, norm, columns.first
-    latent = gather(library.norm_project(x, summands, norm, columns.first))
-    return latent, [], None, columns.ups
+        return x, parts, norm, columns.first, pending
+    after = None if pending is None else (pending.latent, pending.up)
+    latent = gather(library.norm_project(x, parts, norm, columns.first, after))
+    return latent, [], None, columns.ups, None
 
 
 @dataclass(frozen=True)
@@ -218,19 +223,19 @@ class MlpHalf:
     def mlp(
         self,
         x: torch.Tensor,
-        summands: list[torch.Tensor],
+        summands: list[Summand],
         gather: Gather,
         after: tuple[torch.Tensor, Projection] | None = None,
     ) -> torch.Tensor:
         """x += summands (in place); the MLP half's output [m, down's columns] (unreduced).
         ``after`` = (the heads' output, o): x += its product with o too, in the same call
         where the half is one call (else through a call of its own)."""
-        if after is not None and self.gate_up.ups is not None:
-            heads, o = after
-            summands, after = [*summands, self.library.norm_project(heads, [], None, o)], None
-        source, parts, norm, up = _input(
+        if after is not None:  # one product made in a call: the other as a summand
+            summands = [*summands, PendingUp(*after)]
+        source, parts, norm, up, pending = _input(
             self.library, x, summands, (self.post_norm, self.eps), self.gate_up, gather
         )
+        after = None if pending is None else (pending.latent, pending.up)
         return self.library.mlp(source, parts, norm, up, self.inter, self.down, after)
 
 
@@ -363,7 +368,7 @@ class DecodeBlock:
     def attention(
         self,
         x: torch.Tensor,
-        summands: list[torch.Tensor],
+        summands: list[Summand],
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         cache: DenseDecodeCache,
         gather: Gather,
@@ -372,14 +377,16 @@ class DecodeBlock:
         (unreduced). ``gather``: the ranks' all-gather of a latent's columns."""
         cos, sin = rope_tables  # [m, 1, d] each, contiguous
         operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
-        source, parts, norm, qkv = _input(
+        source, parts, norm, qkv, pending = _input(
             self.library, x, summands, (self.input_norm, self.eps), self.qkv, gather
         )
+        if pending is not None:  # the attention half's one call takes no such product
+            parts = [*parts, pending.product()]
         return self.library.attention(
             source, parts, norm, qkv, self.heads, (cos, sin, self.half), operands, cache.scale,
             self.o,
         )  # fmt: skip
 
-    def mlp(self, x: torch.Tensor, summands: list[torch.Tensor], gather: Gather) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, summands: list[Summand], gather: Gather) -> torch.Tensor:
         """x += summands (in place); the MLP half's output [m, down's columns] (unreduced)."""
         return self.mlp_half.mlp(x, summands, gather)

@@ -10,8 +10,10 @@ import torch
 from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
-from runtime.model.decode_block import LatentAttentionHalf, matrices_of
+from runtime.kernels.decode_block import Projection
+from runtime.model.decode_block import ROWS, LatentAttentionHalf, matrices_of
 from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer, LayerSetup
+from runtime.model.pending_up import PendingUp, Summand, summed
 
 
 class DeinferLayer(DecoderLayer):
@@ -24,6 +26,9 @@ class DeinferLayer(DecoderLayer):
         # Row groups whose up factor is split by columns, and the real width their
         # all-gathered output is cut back to: fixed by the plan, looked up once.
         self.gathered_widths = {f.matrix: f.length for f in setup.plan.split_row_ups()}
+        # Across ranks, the row groups whose up product the next half's call makes: their
+        # up factors' panels by group (``prepare_decode_block``).
+        self.pending_ups: dict[str, Projection] = {}
 
     def fuse_columns(self) -> None:
         """A column group whose matrices all run merged is one GEMM, as in dense mode."""
@@ -47,6 +52,31 @@ class DeinferLayer(DecoderLayer):
                 return False
         return True
 
+    def decode_block_names(self) -> list[str]:
+        """Across ranks also the up factors of the low-rank row groups that every rank
+        holds whole: as panels, the next half's call multiplies them (``PendingUp``)."""
+        names = super().decode_block_names()
+        return names and names + self.held_row_ups()
+
+    def held_row_ups(self) -> list[str]:
+        """The up factors, across ranks, of the block's low-rank row groups that are not
+        split by columns (a latent-cache layer's: the MLP's alone, its attention runs op
+        by op)."""
+        if self.s.comm.world == 1:
+            return []
+        rows = ("down",) if self.s.latent_cache else ROWS
+        return [
+            f"{n}.u" for n in rows if self.w(f"{n}.v") is not None and n not in self.gathered_widths
+        ]
+
+    def prepare_decode_block(self) -> None:
+        super().prepare_decode_block()
+        self.pending_ups = {}
+        for name in self.held_row_ups() if self.decode_block_names() else []:
+            up = self.w(name)
+            if isinstance(up, ReleasedMatrix) and up.form.kind == "panel":
+                self.pending_ups[name.removesuffix(".u")] = Projection(up.copy, up.shape[1])
+
     def latent_attention_names(self) -> list[str]:
         """On one rank: the group's concatenated down factors, q's matrix (merged) or up
         factor (its latent first in the group's), and o's matrices
@@ -69,17 +99,20 @@ class DeinferLayer(DecoderLayer):
         kv = (self.s.plan.concat("attn").member_offset("k"), self.s.plan.kv_latent_per_rank)
         return LatentAttentionHalf.of(self.s.model, weights, kv)
 
-    def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    def row_summands(self, name: str, pending: torch.Tensor, batch: Batch) -> list[Summand]:
         """On one rank the block's output is whole; across ranks a merged row's is a
         Megatron shard's partial sum, a low-rank row's its latent's (width r): reduced,
-        then multiplied by the up factor (``row_up``)."""
+        then multiplied by the up factor — by the next half's call where every rank holds
+        it as panels (``PendingUp``), else here (``row_up``)."""
         if self.s.comm.world == 1:
             if self.s.comm.count:
                 self.count_skipped(name, pending)
             return [pending]
         if self.w(f"{name}.v") is None:
             return self.summands_of(pending)
-        return [self.row_up(name, self.s.comm.all_reduce(pending), batch)]
+        latent = self.s.comm.all_reduce(pending)
+        up = self.pending_ups.get(name)
+        return [self.row_up(name, latent, batch) if up is None else PendingUp(latent, up)]
 
     def count_skipped(self, name: str, pending: torch.Tensor) -> None:
         """A rank alone: the half's latents stayed in the native call's scratch; its
@@ -92,10 +125,10 @@ class DeinferLayer(DecoderLayer):
         self.s.comm.skipped("all_reduce", rows * width)
 
     def forward_fused(
-        self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
+        self, x: torch.Tensor, summands: list[Summand] | None, batch: Batch
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if summands is not None:
-            eager.add_summands(x, summands)
+            eager.add_summands(x, summed(summands))
         x.add_(self.attention_block(x, batch))
         return x, [self.mlp_block(x, batch)]
 

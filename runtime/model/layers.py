@@ -36,6 +36,7 @@ from runtime.model.decode_block import (
 )
 from runtime.model.execution import Batch, Execution
 from runtime.model.paged_cache import DenseDecodeCache, LatentDecodeCache
+from runtime.model.pending_up import summed
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -147,7 +148,7 @@ class DecoderLayer(nn.Module):
                 down = self.mlp_half.mlp(x, [], gather, (heads, self.latent_half.o))
             else:  # the attention op by op
                 if summands:
-                    eager.add_summands(x, summands)
+                    eager.add_summands(x, summed(summands))
                 down = self.mlp_half.mlp(x, [self.attention_block(x, batch)], gather)
             return x, self.row_summands("down", down, batch)
         if self.decode_block is None or batch.decode_cache is None or batch.rope_tables is None:

@@ -17,6 +17,7 @@ from runtime.kernels.huge_pages import on_huge_pages
 from runtime.model.execution import Batch, Execution
 from runtime.model.layer_modes import layer_class
 from runtime.model.layers import LayerSetup
+from runtime.model.pending_up import summed
 from runtime.model.rope import inv_freq
 from runtime.model.weights import ModelWeights
 
@@ -129,7 +130,7 @@ class TPModel(nn.Module):
             for layer in self.layers:
                 native = layer.decode_natively(x, summands, batch)
                 x, summands = native or layer.forward_fused(x, summands, batch)
-            x = eager.add_summands(x, summands)
+            x = eager.add_summands(x, summed(summands))
         if self.comm.timed:
             self._record_own_time(x, start, waited)
         return x

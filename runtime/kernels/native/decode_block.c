@@ -19,7 +19,9 @@
  * so there each half is cut at its collectives: decode_norm_project (summands, norm, the
  * group's down factors' shard) -> all-gather -> the half from the gathered latent (no
  * norm; the projection's up factors alone) ending in the row projection's down factor
- * (its output the latent, width r) -> all-reduce -> the up factor (the caller's).
+ * (its output the latent, width r) -> all-reduce -> the up factor: where every rank holds
+ * it whole, multiplied at the start of the next half's first call (decode_norm_project's
+ * latent and up), else by the caller.
  *
  * Why: at a decode step's few rows the products stream their weights and the work
  * between them is tiny, but as torch ops each of those pieces (norm, split, RoPE, cache
@@ -121,6 +123,36 @@ static void project(const projection_t *p, const float *at, int64_t m, int64_t k
     col += p->widths[i];
   }
 #pragma omp barrier
+}
+
+/* A summand of x made in the half's call rather than handed in: latent [m][k] times proj
+ * (h output columns) -- a latent-cache layer's heads' output times W_o, or across ranks
+ * a row group's reduced latent times its up factor, which every rank holds whole. Its
+ * scratch: the latent transposed, the product [m][h], the projection's own latent. */
+static inline int64_t summand_floats(const float *latent, int64_t m, int64_t k, int64_t h,
+                                     const projection_t *proj) {
+  return latent ? k * m + m * h + latent_floats(proj, m) : 0;
+}
+
+/* all, ld_all (nparts + 1 slots) = parts, then the product in scratch (latent not NULL);
+ * returns their count */
+static int64_t with_summand(const float *const *parts, const int64_t *ld_parts,
+                            int64_t nparts, const float *latent, int64_t k, int64_t m,
+                            int64_t h, float *scratch, const float **all, int64_t *ld_all) {
+  for (int64_t i = 0; i < nparts; i++) all[i] = parts[i], ld_all[i] = ld_parts[i];
+  if (!latent) return nparts;
+  all[nparts] = scratch + k * m, ld_all[nparts] = h;
+  return nparts + 1;
+}
+
+/* The product of with_summand, into its scratch; called by every thread of the region */
+static void make_summand(const float *latent, int64_t m, int64_t k, int64_t h,
+                         const projection_t *proj, float *scratch) {
+  float *latent_t = scratch, *projected = scratch + k * m, *z = projected + m * h;
+#pragma omp for schedule(static)
+  for (int64_t j = 0; j < k; j++)
+    for (int64_t r = 0; r < m; r++) latent_t[j * m + r] = latent[r * k + j];
+  project(proj, latent_t, m, k, z, projected, h);
 }
 
 /* Tokens ahead of the one being read whose cached key or value row is prefetched, every
@@ -242,7 +274,7 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
   int64_t latent = latent_floats(gate_up_proj, m) > latent_floats(down_proj, m)
                        ? latent_floats(gate_up_proj, m)
                        : latent_floats(down_proj, m);
-  int64_t extra = heads_out ? k * m + m * h + latent_floats(o_proj, m) : 0;
+  int64_t extra = summand_floats(heads_out, m, k, h, o_proj);
   float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + m * 2 * inter + inter * m + latent + extra));
   const float **all = malloc(sizeof(float *) * (size_t)(nparts + 1));
   int64_t *ld_all = malloc(sizeof(int64_t) * (size_t)(nparts + 1));
@@ -251,19 +283,11 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
     return -1;
   }
   float *normed = xt + h * m, *gate_up = normed + h * m, *hidden_t = gate_up + m * 2 * inter;
-  float *z = hidden_t + inter * m, *heads_t = z + latent, *projected = heads_t + k * m;
-  float *z_o = projected + m * h;
-  for (int64_t i = 0; i < nparts; i++) all[i] = parts[i], ld_all[i] = ld_parts[i];
-  int64_t n_all = nparts;
-  if (heads_out) all[n_all] = projected, ld_all[n_all++] = h;
+  float *z = hidden_t + inter * m, *summand = z + latent;
+  int64_t n_all = with_summand(parts, ld_parts, nparts, heads_out, k, m, h, summand, all, ld_all);
 #pragma omp parallel
   {
-    if (heads_out) {
-#pragma omp for schedule(static)
-      for (int64_t j = 0; j < k; j++)
-        for (int64_t r = 0; r < m; r++) heads_t[j * m + r] = heads_out[r * k + j];
-      project(o_proj, heads_t, m, k, z_o, projected, h);
-    }
+    if (heads_out) make_summand(heads_out, m, k, h, o_proj, summand);
     add_norm_transposed(x, m, h, all, ld_all, n_all, norm_w, eps, normed, xt);
     project(gate_up_proj, xt, m, h, z, gate_up, 2 * inter);
     /* silu(gate) . up, VEC columns at a time, then the last ones one at a time */
@@ -288,37 +312,50 @@ int decode_mlp(float *x, int64_t m, int64_t h, const float *const *parts,
   return 0;
 }
 
-/* x [m][h] += parts; the normed x (RMSNorm . norm_w) times proj -> out [m][its columns],
- * and times then (NULL: none; dense: it takes no scratch) -> then_out; keep (NULL: not
- * kept): proj's latent [m][its down factors' columns]. One parallel region; returns 0,
- * or -1 without scratch memory. */
+/* x [m][h] += parts (and, latent not NULL, += latent [m][k] times up: with_summand); the
+ * normed x (RMSNorm . norm_w) times proj -> out [m][its columns], and times then (NULL:
+ * none; dense: it takes no scratch) -> then_out; keep (NULL: not kept): proj's latent
+ * [m][its down factors' columns]. One parallel region; returns 0, or -1 without scratch
+ * memory. */
 static int norm_and_project(float *x, int64_t m, int64_t h, const float *const *parts,
                             const int64_t *ld_parts, int64_t nparts, const float *norm_w,
-                            float eps, const projection_t *proj, float *out,
-                            const projection_t *then, float *then_out, float *keep) {
-  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m)));
-  if (!xt) return -1;
-  float *normed = xt + h * m, *z = normed + h * m;
+                            float eps, const float *latent, int64_t k, const projection_t *up,
+                            const projection_t *proj, float *out, const projection_t *then,
+                            float *then_out, float *keep) {
+  int64_t extra = summand_floats(latent, m, k, h, up);
+  float *xt = malloc(sizeof(float) * (size_t)(2 * h * m + latent_floats(proj, m) + extra));
+  const float **all = malloc(sizeof(float *) * (size_t)(nparts + 1));
+  int64_t *ld_all = malloc(sizeof(int64_t) * (size_t)(nparts + 1));
+  if (!xt || !all || !ld_all) {
+    free(xt), free(all), free(ld_all);
+    return -1;
+  }
+  float *normed = xt + h * m, *z = normed + h * m, *summand = z + latent_floats(proj, m);
+  int64_t n_all = with_summand(parts, ld_parts, nparts, latent, k, m, h, summand, all, ld_all);
 #pragma omp parallel
   {
-    add_norm_transposed(x, m, h, parts, ld_parts, nparts, norm_w, eps, normed, xt);
+    if (latent) make_summand(latent, m, k, h, up, summand);
+    add_norm_transposed(x, m, h, all, ld_all, n_all, norm_w, eps, normed, xt);
     project(proj, xt, m, h, z, out, out_width(proj));
     if (then) project(then, xt, m, h, NULL, then_out, out_width(then));
   }
   if (keep) memcpy(keep, z, sizeof(float) * (size_t)(m * proj->n_down));
-  free(xt);
+  free(xt), free(all), free(ld_all);
   return 0;
 }
 
 /* Across ranks, the first piece of a half whose column group is low-rank: x [m][h] +=
- * parts; out [m][proj's columns] = RMSNorm(x) . norm_w times proj (the group's down
- * factors' shard), the latent the ranks then all-gather. Returns 0, or -1 without
- * scratch memory. */
+ * parts, and (latent not NULL) += latent [m][k] times up -- the previous row group's
+ * reduced latent times its up factor, which every rank holds: that product in this call
+ * rather than in one of its own with its Python around it; out [m][proj's columns] =
+ * RMSNorm(x) . norm_w times proj (the group's down factors' shard), the latent the ranks
+ * then all-gather. Returns 0, or -1 without scratch memory. */
 int decode_norm_project(float *x, int64_t m, int64_t h, const float *const *parts,
                         const int64_t *ld_parts, int64_t nparts, const float *norm_w,
-                        float eps, const projection_t *proj, float *out) {
-  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, proj, out, NULL, NULL,
-                          NULL);
+                        float eps, const float *latent, int64_t k, const projection_t *up,
+                        const projection_t *proj, float *out) {
+  return norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, latent, k, up, proj,
+                          out, NULL, NULL, NULL);
 }
 
 /* A latent-cache layer's q beside its k|v latent, from one norm: out [m][q's columns],
@@ -335,10 +372,10 @@ int decode_q_and_latent(float *x, int64_t m, int64_t h, const float *const *part
                         const float *cos, const float *sin, int64_t d, int64_t half,
                         float *latent, float *out) {
   int failed =
-      q_proj ? norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, q_proj, out,
-                                kv_proj, latent, NULL)
-             : norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, kv_proj, out,
-                                NULL, NULL, latent);
+      q_proj ? norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, NULL, 0, NULL,
+                                q_proj, out, kv_proj, latent, NULL)
+             : norm_and_project(x, m, h, parts, ld_parts, nparts, norm_w, eps, NULL, 0, NULL,
+                                kv_proj, out, NULL, NULL, latent);
   if (failed || !cos) return failed;
   int64_t width = out_width(q_proj ? q_proj : kv_proj), heads = width / d;
   float *turned = malloc(sizeof(float) * (size_t)d);
