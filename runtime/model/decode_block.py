@@ -40,7 +40,7 @@ from runtime.kernels.decode_block import DecodeBlockLibrary, Projection, decode_
 from runtime.kernels.latent_scores import LatentAttention
 from runtime.kernels.panel import panel_library
 from runtime.model.paged_cache import DenseDecodeCache, LatentDecodeCache
-from runtime.model.pending_up import PendingUp, Summand, apart
+from runtime.model.pending_up import Summand, apart
 
 # The ranks' all-gather of a latent's columns ([m, w] on each rank -> [m, world * w])
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -173,18 +173,18 @@ def _projection(
 def _input(
     library: DecodeBlockLibrary,
     x: torch.Tensor,
-    summands: list[Summand],
+    parts: list[torch.Tensor],
+    after: tuple[torch.Tensor, Projection] | None,
     norm: tuple[torch.Tensor, float],
     columns: ColumnProjection,
     gather: Gather,
-) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection, PendingUp | None]:
-    """What a half's call starts from: x, its summands (a ``PendingUp`` apart) and norm,
-    and the whole projection; or, cut, the latent the ranks gathered (x += summands by the
-    first call, which multiplies the ``PendingUp`` too) and the up factors."""
-    parts, pending = apart(summands)
+) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, Projection, tuple | None]:
+    """What a half's call starts from: x, its summands, the product to add too
+    (``after``, (a latent, its projection) or None) and norm, and the whole projection;
+    or, cut, the latent the ranks gathered (x += summands and that product by the first
+    call) and the up factors."""
     if columns.ups is None:
-        return x, parts, norm, columns.first, pending
-    after = None if pending is None else (pending.latent, pending.up)
+        return x, parts, norm, columns.first, after
     latent = gather(library.norm_project(x, parts, norm, columns.first, after))
     return latent, [], None, columns.ups, None
 
@@ -230,12 +230,15 @@ class MlpHalf:
         """x += summands (in place); the MLP half's output [m, down's columns] (unreduced).
         ``after`` = (the heads' output, o): x += its product with o too, in the same call
         where the half is one call (else through a call of its own)."""
-        if after is not None:  # one product made in a call: the other as a summand
-            summands = [*summands, PendingUp(*after)]
-        source, parts, norm, up, pending = _input(
-            self.library, x, summands, (self.post_norm, self.eps), self.gate_up, gather
+        parts, pending = apart(summands)
+        if pending is not None:
+            if after is not None:
+                raise ValueError("decode block: the heads' output beside a pending up product")
+            after = pending.operands
+        norm = (self.post_norm, self.eps)
+        source, parts, norm, up, after = _input(
+            self.library, x, parts, after, norm, self.gate_up, gather
         )
-        after = None if pending is None else (pending.latent, pending.up)
         return self.library.mlp(source, parts, norm, up, self.inter, self.down, after)
 
 
@@ -377,12 +380,14 @@ class DecodeBlock:
         (unreduced). ``gather``: the ranks' all-gather of a latent's columns."""
         cos, sin = rope_tables  # [m, 1, d] each, contiguous
         operands = (cache.k_rows, cache.v_rows, cache.new_slots, cache.slots, cache.lengths)
-        source, parts, norm, qkv, pending = _input(
-            self.library, x, summands, (self.input_norm, self.eps), self.qkv, gather
-        )
-        if pending is not None:  # the attention half's one call takes no such product
+        parts, pending = apart(summands)
+        after = None if pending is None else pending.operands
+        norm = (self.input_norm, self.eps)
+        library = self.library
+        source, parts, norm, qkv, after = _input(library, x, parts, after, norm, self.qkv, gather)
+        if after is not None:  # the attention half's one call takes no such product
             parts = [*parts, pending.product()]
-        return self.library.attention(
+        return library.attention(
             source, parts, norm, qkv, self.heads, (cos, sin, self.half), operands, cache.scale,
             self.o,
         )  # fmt: skip

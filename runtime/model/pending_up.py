@@ -28,6 +28,11 @@ class PendingUp:
     latent: torch.Tensor
     up: Projection
 
+    @property
+    def operands(self) -> tuple[torch.Tensor, Projection]:
+        """As a native call's ``after`` takes it."""
+        return self.latent, self.up
+
     def product(self) -> torch.Tensor:
         return decode_block_library().norm_project(self.latent, [], None, self.up)
 
@@ -44,7 +49,9 @@ def summed(summands: list[Summand]) -> list[torch.Tensor]:
 def apart(summands: list[Summand]) -> tuple[list[torch.Tensor], PendingUp | None]:
     """The tensors, and the one ``PendingUp`` among them (None if none)."""
     pending = [s for s in summands if isinstance(s, PendingUp)]
+    if not pending:  # one rank, or a merged row: as they came
+        return summands, None
     if len(pending) > 1:
         raise ValueError("decode block: one pending up product at a time")
     tensors = [s for s in summands if not isinstance(s, PendingUp)]
-    return tensors, pending[0] if pending else None
+    return tensors, pending[0]
