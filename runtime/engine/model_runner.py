@@ -328,7 +328,7 @@ class ModelRunner:
 
     def pending_up_groups(self) -> int:
         """How many row groups' up products the next half's native call makes (across
-        ranks: ``runtime.model.decode_block.PendingUp``)."""
+        ranks: ``runtime.model.pending_up.PendingUp``)."""
         return sum(len(getattr(layer, "pending_ups", {})) for layer in self.model.layers)
 
     def gemm_forms(self) -> dict[str, dict[str, str]]:

@@ -117,7 +117,8 @@ def _rope_half(model: ModelConfig) -> int:
     return model.head_dim // 2 if model.positions.style == "neox" else 0
 
 
-def _panels(weights: dict[str, object], name: str) -> ReleasedMatrix | None:
+def held_as_panels(weights: dict[str, object], name: str) -> ReleasedMatrix | None:
+    """The matrix ``name`` where the tuned products hold it as panels alone, else None."""
     m = weights.get(name)
     return m if isinstance(m, ReleasedMatrix) and m.form.kind == "panel" else None
 
@@ -145,12 +146,12 @@ def _projection(
     dense, down, members = PROJECTIONS[key]
     row = key in ROWS
     if dense in weights:
-        m = _panels(weights, dense)
+        m = held_as_panels(weights, dense)
         whole = None if m is None else Projection(m.copy, m.shape[1])
         return whole if row or whole is None else ColumnProjection(whole)
     across = world > 1
     ups_held = () if across and row else (f"{n}.u" for n in members)
-    held = [_panels(weights, name) for name in (down, *ups_held)]
+    held = [held_as_panels(weights, name) for name in (down, *ups_held)]
     if any(m is None for m in held):
         return None
     first, *ups = held
@@ -268,8 +269,8 @@ class LatentAttentionHalf:
         """The projections of a layer with these weights (packed) whose latent holds k|v
         at ``kv`` (q's dense matrix ``q.weight`` beside it, or q's rows first), or None
         where a matrix is not held as panels alone or the shapes do not fit."""
-        cat, o = _panels(weights, "attn.cat"), _projection(weights, "o", 1)
-        dense_q, q_up = _panels(weights, "q.weight"), _panels(weights, "q.u")
+        cat, o = held_as_panels(weights, "attn.cat"), _projection(weights, "o", 1)
+        dense_q, q_up = held_as_panels(weights, "q.weight"), held_as_panels(weights, "q.u")
         if cat is None or (dense_q or q_up) is None or not isinstance(o, Projection):
             return None
         h, (first, count) = weights["input_norm.weight"].shape[0], kv

@@ -11,7 +11,7 @@ from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.cpu_gemm import ReleasedMatrix
 from runtime.kernels.decode_block import Projection
-from runtime.model.decode_block import ROWS, LatentAttentionHalf, matrices_of
+from runtime.model.decode_block import ROWS, LatentAttentionHalf, held_as_panels, matrices_of
 from runtime.model.layers import ACTIVATIONS, Batch, DecoderLayer, LayerSetup
 from runtime.model.pending_up import PendingUp, Summand, summed
 
@@ -73,8 +73,8 @@ class DeinferLayer(DecoderLayer):
         super().prepare_decode_block()
         self.pending_ups = {}
         for name in self.held_row_ups() if self.decode_block_names() else []:
-            up = self.w(name)
-            if isinstance(up, ReleasedMatrix) and up.form.kind == "panel":
+            up = held_as_panels({name: self.w(name)}, name)
+            if up is not None:
                 self.pending_ups[name.removesuffix(".u")] = Projection(up.copy, up.shape[1])
 
     def latent_attention_names(self) -> list[str]:
