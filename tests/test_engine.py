@@ -100,6 +100,14 @@ def test_greedy_equals_transformers(model, tp, mode, kv, up, layout, path):
         native = mode != "base" and kv == "dense" and path == "dynamic"
         blocks = CONFIG["num_hidden_layers"] if native else 0
         assert llm.workers.call("decode_block_layers") == [blocks] * tp
+        # on one rank a step's layers run in one native call where each has native halves
+        # (the block, or a latent cache's two halves); across ranks each half is cut at
+        # its collectives
+        layers = CONFIG["num_hidden_layers"]
+        both = [llm.workers.call(f"{h}_half_layers")[0] for h in ("mlp", "latent")]
+        native_halves = blocks == layers or min(both) == layers
+        stacked = layers if tp == 1 and native_halves else 0
+        assert llm.workers.call("decode_stack_layers") == [stacked] * tp
         # across ranks the low-rank rows' up factors held whole (replicated) are multiplied
         # by the next half's call: o's and down's with a dense cache, down's with a latent
         rows = 0

@@ -316,6 +316,12 @@ class ModelRunner:
         """How many layers take their decode steps through the native decode block."""
         return sum(getattr(layer, "decode_block", None) is not None for layer in self.model.layers)
 
+    def decode_stack_layers(self) -> int:
+        """How many layers a decode step runs in one native call (``DecodeStack``: one
+        rank, every layer through the native block)."""
+        stack = self.model.decode_stack
+        return 0 if stack is None else len(stack.layers)
+
     def mlp_half_layers(self) -> int:
         """How many latent-cache layers take their decode steps' MLP through the native
         block's MLP half."""

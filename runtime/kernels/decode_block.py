@@ -360,6 +360,7 @@ _SIGNATURES = {
     "decode_q_and_latent": _HALF + "pppp" + "iipp",
     "decode_latent_attention": _HALF + "pppp" + "ii" + "ppp" + "piii" + "ppf" + "p",
     "decode_cached_attention": "pipipi" + "iiii" + "pppp" + "ipfp",
+    "decode_layers": "piif" + "pi" + "iii" + "ppi" + "ppip" + "pp" + "fp",
 }
 _TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
 

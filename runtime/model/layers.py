@@ -131,6 +131,15 @@ class DecoderLayer(nn.Module):
             else:
                 self.decode_block = DecodeBlock.of(self.s.model, weights, self.s.comm.world)
 
+    def native_halves(self) -> DecodeBlock | tuple[LatentAttentionHalf, MlpHalf] | None:
+        """This layer's decode step as native halves alone (``DecodeStack`` runs them): its
+        decode block, or a latent cache's attention half and MLP half; else None."""
+        if self.decode_block is not None:
+            return self.decode_block
+        if self.latent_half is not None and self.mlp_half is not None:
+            return self.latent_half, self.mlp_half
+        return None
+
     def decode_natively(
         self, x: torch.Tensor, summands: list[torch.Tensor] | None, batch: Batch
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

@@ -14,6 +14,7 @@ from dsl.spec import Spec
 from runtime.dist.comm import Comm
 from runtime.kernels import eager
 from runtime.kernels.huge_pages import on_huge_pages
+from runtime.model.decode_stack import DecodeStack
 from runtime.model.execution import Batch, Execution
 from runtime.model.layer_modes import layer_class
 from runtime.model.layers import LayerSetup
@@ -61,6 +62,7 @@ class TPModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         # Decided once: whether ``forward`` carries each layer's last product unreduced.
         self.fuses_residual = bool(layers) and all(layer.fuses_residual() for layer in layers)
+        self.decode_stack: DecodeStack | None = None  # ``prepare_decode_blocks``
 
     def prepare_eager(self) -> None:
         """See ``DecoderLayer.prepare_eager`` (the LM head is already stored [out, in]; it
@@ -78,9 +80,12 @@ class TPModel(nn.Module):
         return [t for layer in self.layers for t in layer.decode_block_matrices()]
 
     def prepare_decode_blocks(self) -> None:
-        """After the tuned products have packed and released the matrices."""
+        """After the tuned products have packed and released the matrices; on one rank,
+        the layers' blocks as one call where every layer has one (``DecodeStack``)."""
         for layer in self.layers:
             layer.prepare_decode_block()
+        if self.comm.world == 1:
+            self.decode_stack = DecodeStack.of([layer.native_halves() for layer in self.layers])
 
     def matrices(self) -> list[torch.Tensor]:
         """Every matrix as the eager backend multiplies by it: b [in, out]."""
@@ -127,9 +132,14 @@ class TPModel(nn.Module):
                 x = layer.forward(x, batch)
         else:
             summands = None  # each layer's last product, as the next's first norm adds it
-            for layer in self.layers:
-                native = layer.decode_natively(x, summands, batch)
-                x, summands = native or layer.forward_fused(x, summands, batch)
+            stack = None if self.comm.count else self.decode_stack  # counts: layer by layer
+            last = stack.run(x, batch) if stack is not None else None
+            if last is not None:
+                summands = [last]
+            else:
+                for layer in self.layers:
+                    native = layer.decode_natively(x, summands, batch)
+                    x, summands = native or layer.forward_fused(x, summands, batch)
             x = eager.add_summands(x, summed(summands))
         if self.comm.timed:
             self._record_own_time(x, start, waited)

@@ -469,3 +469,81 @@ int decode_cached_attention(const float *q, int64_t ldq, const float *k, int64_t
   }
   return failed ? -1 : 0;
 }
+
+/* One layer of decode_layers: its attention half over a dense cache (k_rows not NULL:
+ * decode_attention's projections and cache rows) or a latent one (k_rows NULL:
+ * decode_latent_attention's, W_o then in the MLP half's call, as its heads_out), then its
+ * MLP half; each projection whole on this one rank. */
+typedef struct {
+  const float *input_norm;
+  const projection_t *qkv; /* dense cache */
+  float *k_rows;
+  float *v_rows;
+  const projection_t *o;       /* either cache */
+  const projection_t *q;       /* latent cache: decode_latent_attention's q_proj */
+  const projection_t *kv;      /* its kv_proj */
+  int64_t kv_first;            /* the new latents' first column */
+  const void *scores;          /* latent_scores.c's layer descriptor */
+  float *z;                    /* the cache rows [rows][ldz] */
+  int64_t rows;
+  int64_t ldz;
+  const float *key_cos;        /* the keys' RoPE tables */
+  const float *key_sin;
+  const float *post_norm;
+  const projection_t *gate_up;
+  int64_t inter;
+  const projection_t *down;
+} layer_t;
+
+/* The heads' output's columns of a latent-cache layer (h for a dense one: W_o's output) */
+static int64_t heads_width(const layer_t *l, int64_t h) {
+  return l->k_rows ? h : out_width(l->q ? l->q : l->kv);
+}
+
+/* A decode step's layers on one rank, one after the other in this call: each layer's
+ * attention half and MLP half, each half's output the next half's summand, the last
+ * layer's MLP output -> out [m][h] (not added to x: the caller's final norm adds it).
+ * The arguments after layers are the halves', the same for every layer (one step's
+ * tokens): decode_attention's for dense caches, decode_latent_attention's (attend, step)
+ * for latent ones. Why one call: between the halves' calls Python ran cold (each half
+ * streams MBs of weights through the caches): 90 us a layer on the AMD EPYC VM with one
+ * thread, 2.6 ms of a 45 ms batch-1 step of cpu-135m. Returns 0, -1 without scratch
+ * memory, -2 where a latent cache's slot is not one of its rows. */
+int decode_layers(float *x, int64_t m, int64_t h, float eps, const layer_t *layers,
+                  int64_t n_layers, int64_t heads, int64_t kv_heads, int64_t d,
+                  const float *cos, const float *sin, int64_t half, const int64_t *new_slots,
+                  const int64_t *slots, int64_t ld_slots, const int64_t *lengths,
+                  latent_attention_fn attend, const void *step, float scale, float *out) {
+  int64_t widest = h;
+  for (int64_t i = 0; i < n_layers; i++)
+    widest = heads_width(layers + i, h) > widest ? heads_width(layers + i, h) : widest;
+  float *heads_out = malloc(sizeof(float) * (size_t)(m * (widest + h))), *mlp_out = heads_out + m * widest;
+  if (!heads_out) return -1;
+  const float *previous[1] = {mlp_out}, *attention[1] = {heads_out};
+  const int64_t ld[1] = {h};
+  int failed = 0;
+  for (int64_t i = 0; i < n_layers && !failed; i++) {
+    const layer_t *l = layers + i;
+    float *down_out = i + 1 == n_layers ? out : mlp_out;
+    int64_t nparts = i ? 1 : 0; /* the first layer's x is the embedding alone */
+    if (l->k_rows) {
+      failed = decode_attention(x, m, h, previous, ld, nparts, l->input_norm, eps, l->qkv,
+                                heads, kv_heads, d, cos, sin, half, l->k_rows, l->v_rows,
+                                new_slots, slots, ld_slots, lengths, scale, l->o, heads_out);
+      failed = failed ? failed
+                      : decode_mlp(x, m, h, attention, ld, 1, l->post_norm, eps, NULL, 0, NULL,
+                                   l->gate_up, l->inter, l->down, down_out);
+    } else {
+      failed = decode_latent_attention(x, m, h, previous, ld, nparts, l->input_norm, eps, l->q,
+                                       l->kv, cos, sin, d, half, attend, l->scores, step, l->z,
+                                       l->rows, l->ldz, l->kv_first, l->key_cos, l->key_sin,
+                                       scale, heads_out);
+      failed = failed ? failed
+                      : decode_mlp(x, m, h, NULL, NULL, 0, l->post_norm, eps, heads_out,
+                                   heads_width(l, h), l->o, l->gate_up, l->inter, l->down,
+                                   down_out);
+    }
+  }
+  free(heads_out);
+  return failed;
+}
