@@ -318,7 +318,7 @@ class ModelRunner:
 
     def decode_stack_layers(self) -> int:
         """How many layers a decode step runs in one native call (``DecodeStack``: one
-        rank, every layer through the native block)."""
+        rank, every layer through native halves: its block, or a latent cache's two)."""
         stack = self.model.decode_stack
         return 0 if stack is None else len(stack.layers)
 

@@ -81,7 +81,7 @@ class TPModel(nn.Module):
 
     def prepare_decode_blocks(self) -> None:
         """After the tuned products have packed and released the matrices; on one rank,
-        the layers' blocks as one call where every layer has one (``DecodeStack``)."""
+        the layers' native halves as one call where every layer has them (``DecodeStack``)."""
         for layer in self.layers:
             layer.prepare_decode_block()
         if self.comm.world == 1:
